@@ -1,0 +1,31 @@
+"""torch.compile fusions for the attention prologue of modern LLMs.
+
+Usage::
+
+    import torch, fusion_pass
+    fusion_pass.install()                 # or torch.compile(model, options=fusion_pass.options())
+    model = torch.compile(model)          # Hugging Face model code, unchanged
+    ...
+    print(fusion_pass.report())
+
+Importing this package registers the ``torch.ops.fusion_pass.*`` custom ops, which compiled
+graphs (also those loaded from Inductor's cache) call.
+"""
+
+from . import kernels as _kernels  # noqa: F401  (registers torch.ops.fusion_pass.*)
+from .config import ALL_FAMILIES as FAMILIES
+from .install import install, installed, options, uninstall
+from .report import match_counts, near_misses, report
+from .report import reset as reset_report
+
+__all__ = [
+    "FAMILIES",
+    "install",
+    "installed",
+    "match_counts",
+    "near_misses",
+    "options",
+    "report",
+    "reset_report",
+    "uninstall",
+]

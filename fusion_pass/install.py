@@ -1,0 +1,90 @@
+"""Putting the passes into Inductor's hooks, taking them out, and scoped options.
+
+Forward (inference) fusions run from ``post_grad_custom_pre_pass``: the functional post-grad
+graph, before Inductor's own pattern passes and re-inplacing. Training fusions run from
+``joint_custom_post_pass``: only the joint graph can change gradient formulas (the reason
+PyTorch's own SDPA fusion matches there), and forward-only graphs pass through it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch._inductor.config as inductor_config
+
+from . import config as fusion_config
+from .passes import FusionGraphPass, is_ours
+
+_HOOKS = {
+    "post_grad_custom_pre_pass": ("post_grad", fusion_config.FORWARD_FAMILIES),
+    "joint_custom_post_pass": ("joint", fusion_config.TRAINING_FAMILIES),
+}
+
+# What occupied each hook before install(), so that uninstall() can put it back.
+_saved: dict[str, Any] | None = None
+
+
+def _compose(hook: str, current: Any, config: fusion_config.FusionConfig) -> FusionGraphPass:
+    stage, families = _HOOKS[hook]
+    if is_ours(current):
+        current = current.previous  # re-installing: never stack our pass on itself
+    return FusionGraphPass(stage, families, config, previous=current)
+
+
+def install(devices: Iterable[str] = ("cuda",), families: Iterable[str] | None = None) -> None:
+    """Install the fusion passes into Inductor's global hooks.
+
+    Every later ``torch.compile`` (Inductor backend) rewrites matching subgraphs. A custom pass
+    the user had in the same hook keeps running after ours; ``uninstall()`` restores it.
+    Calling ``install`` again replaces the configuration (passes are never stacked twice).
+
+    Args:
+        devices: device types whose graphs are rewritten. By default only ``("cuda",)``,
+            where the Triton kernels run; ``("cuda", "cpu")`` also rewrites CPU graphs, whose
+            fused ops run their PyTorch references (or Triton under ``TRITON_INTERPRET=1``).
+        families: fusion families to apply (default: all, see ``fusion_pass.FAMILIES``).
+
+    Example::
+
+        import torch, fusion_pass
+        fusion_pass.install()
+        model = torch.compile(model)
+        ...
+        print(fusion_pass.report())
+    """
+    global _saved
+    config = fusion_config.FusionConfig.make(devices, families)
+    if _saved is None:
+        _saved = {hook: getattr(inductor_config, hook) for hook in _HOOKS}
+    for hook in _HOOKS:
+        setattr(inductor_config, hook, _compose(hook, getattr(inductor_config, hook), config))
+
+
+def uninstall() -> None:
+    """Restore Inductor's hooks to what they held before ``install()``; a no-op if not installed."""
+    global _saved
+    if _saved is None:
+        return
+    for hook, previous in _saved.items():
+        setattr(inductor_config, hook, previous)
+    _saved = None
+
+
+def installed() -> bool:
+    return _saved is not None
+
+
+def options(devices: Iterable[str] = ("cuda",), families: Iterable[str] | None = None) -> dict[str, Any]:
+    """Inductor options for scoped use: ``torch.compile(model, options=fusion_pass.options())``.
+
+    The global hooks are left untouched; passes already installed there keep running after
+    ours inside this compile.
+
+    Args:
+        devices, families: as for ``install``.
+
+    Returns:
+        ``{"post_grad_custom_pre_pass": ..., "joint_custom_post_pass": ...}``
+    """
+    config = fusion_config.FusionConfig.make(devices, families)
+    return {hook: _compose(hook, getattr(inductor_config, hook), config) for hook in _HOOKS}

@@ -1,0 +1,108 @@
+"""The graph passes that Inductor calls: one for post-grad (inference) graphs, one for joint graphs.
+
+Each pass owns one ``PatternMatcherPass`` per fusion family so that it can count matches per
+family exactly (``PatternMatcherPass.apply`` returns how many replacements it made). Patterns
+are traced lazily, on the first graph a pass sees, so that ``import fusion_pass`` stays cheap.
+
+Both classes are ``CustomGraphPass`` objects with a ``uuid()`` that hashes this package's
+sources and the active configuration: Inductor's FX graph cache stays on, and a change to a
+pattern, a kernel or the configuration can never serve a stale graph (pytorch#136883).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pathlib
+from typing import Any, Callable
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import PatternMatcherPass
+
+from . import config as fusion_config
+from . import report
+from .families import pattern_module
+
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    """sha256 over every Python source of fusion_pass, its patterns and its kernels."""
+    import fusion_pass.kernels
+    import fusion_pass.patterns
+
+    # patterns/ and kernels/ live outside fusion_pass/ in the source tree (package-dir mapping).
+    roots = {
+        pathlib.Path(__file__).parent,
+        pathlib.Path(fusion_pass.patterns.__file__).parent,
+        pathlib.Path(fusion_pass.kernels.__file__).parent,
+    }
+    digest = hashlib.sha256()
+    for root in sorted(roots):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _family_pass(family: str) -> PatternMatcherPass:
+    """The family's patterns, traced and registered once per process."""
+    pass_dict = PatternMatcherPass(pass_name=f"fusion_pass_{family}")
+    pattern_module(family).register(pass_dict)
+    return pass_dict
+
+
+class FusionGraphPass(CustomGraphPass):
+    """Applies the enabled families of one stage, then the pass that was installed before us.
+
+    Args:
+        stage: ``"post_grad"`` (forward/inference families) or ``"joint"`` (training families).
+        families: the families this pass applies, in order.
+        config: devices and enabled families; active while the pass runs, part of its uuid.
+        previous: the user's own pass that occupied the same Inductor hook, or None; it keeps
+            running, after ours.
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        families: tuple[str, ...],
+        config: fusion_config.FusionConfig,
+        previous: Callable | None = None,
+    ) -> None:
+        if stage not in ("post_grad", "joint"):
+            raise ValueError(f"stage: expected 'post_grad' or 'joint', got {stage!r}")
+        self.stage = stage
+        self.families = families
+        self.config = config
+        self.previous = previous
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        with fusion_config.using(self.config):
+            for family in self.families:
+                if family in self.config.families:
+                    report.record_match(family, _family_pass(family).apply(graph))
+        if self.previous is not None:
+            self.previous(graph)
+
+    def uuid(self) -> Any:
+        previous_uuid = None
+        if self.previous is not None:
+            if not isinstance(self.previous, CustomGraphPass):
+                return None  # a bare callable disables Inductor's caching anyway
+            previous_uuid = self.previous.uuid()
+            if previous_uuid is None:
+                return None
+        return (
+            "fusion_pass",
+            self.stage,
+            self.families,
+            _source_hash(),
+            repr(self.config),
+            torch.__version__,
+            previous_uuid,
+        )
+
+
+def is_ours(graph_pass: object) -> bool:
+    return isinstance(graph_pass, FusionGraphPass)

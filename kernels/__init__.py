@@ -1,0 +1,6 @@
+"""Custom ops in the ``fusion_pass`` namespace, their Triton kernels and PyTorch references.
+
+Importing this package registers every op, so compiled graphs can call them.
+"""
+
+from . import qk_norm_rope_cache_op  # noqa: F401
