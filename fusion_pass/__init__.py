@@ -15,8 +15,8 @@ graphs (also those loaded from Inductor's cache) call.
 from . import kernels as _kernels  # noqa: F401  (registers torch.ops.fusion_pass.*)
 from .config import ALL_FAMILIES as FAMILIES
 from .install import install, installed, options, uninstall
-from .report import match_counts, near_misses, report
-from .report import reset as reset_report
+from .match_report import match_counts, near_misses, report
+from .match_report import reset as reset_report
 
 __all__ = [
     "FAMILIES",

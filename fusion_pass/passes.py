@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.pattern_matcher import PatternMatcherPass
+from torch._inductor.pattern_matcher import PatternMatcherPass, stable_topological_sort
 
 from . import config as fusion_config
-from . import report
+from . import match_report
 from .families import pattern_module
 
 @functools.lru_cache(maxsize=None)
@@ -52,6 +52,14 @@ def _family_pass(family: str) -> PatternMatcherPass:
     return pass_dict
 
 
+def _apply_family(family: str, graph: torch.fx.Graph) -> int:
+    """Number of replacements; a pattern module may wrap matching in its own ``apply``."""
+    module = pattern_module(family)
+    if hasattr(module, "apply"):
+        return module.apply(graph, _family_pass(family))
+    return _family_pass(family).apply(graph)
+
+
 class FusionGraphPass(CustomGraphPass):
     """Applies the enabled families of one stage, then the pass that was installed before us.
 
@@ -79,9 +87,16 @@ class FusionGraphPass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         with fusion_config.using(self.config):
+            replaced = 0
             for family in self.families:
                 if family in self.config.families:
-                    report.record_match(family, _family_pass(family).apply(graph))
+                    count = _apply_family(family, graph)
+                    match_report.record_match(family, count)
+                    replaced += count
+        if replaced:
+            # A replacement is inserted where the pattern's first output was; inputs of later
+            # outputs (k, v) may be defined after it. Later passes expect topological order.
+            stable_topological_sort(graph)
         if self.previous is not None:
             self.previous(graph)
 

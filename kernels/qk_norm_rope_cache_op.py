@@ -144,6 +144,39 @@ def qk_norm_rope_cache(
     return _with_layout_of(q, q_rot), _with_layout_of(k, k_rot)
 
 
+@torch.library.custom_op("fusion_pass::qk_norm_rope_cache_eps_tensor", mutates_args=("k_cache", "v_cache"))
+def qk_norm_rope_cache_eps_tensor(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_position: torch.Tensor,
+    q_eps: torch.Tensor,
+    k_eps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope_cache`` with the epsilons as 0-d tensors.
+
+    ``torch.compile(dynamic=True)`` lifts a Python float such as ``variance_epsilon`` into a
+    0-d CPU tensor graph input; reading it here costs no device synchronization.
+    """
+    for name, eps in (("q_eps", q_eps), ("k_eps", k_eps)):
+        if eps.numel() != 1:
+            raise ValueError(f"fusion_pass.qk_norm_rope_cache: {name}: expected a 0-d tensor, got shape {tuple(eps.shape)}")
+    return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position,
+                              float(q_eps), float(k_eps))
+
+
+@qk_norm_rope_cache_eps_tensor.register_fake
+def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
 def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if value.stride() == template.stride():
         return value
@@ -156,3 +189,15 @@ def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor
 def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position)
     return torch.empty_like(q), torch.empty_like(k)
+
+
+def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the fused op would not serve this geometry, or None when it does.
+
+    The pattern's check asks this before rewriting, and the report shows the reason.
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (the fusion serves bf16 and fp16 models)"
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two in [16, 256]"
+    return None

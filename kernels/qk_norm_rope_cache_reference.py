@@ -38,9 +38,9 @@ def write_cache_rows_reference(cache: torch.Tensor, cache_position: torch.Tensor
     length = cache.shape[2]
     valid = (cache_position >= 0) & (cache_position < length)
     if bool(valid.all()):
-        cache.index_copy_(2, cache_position, rows)
+        cache.index_copy_(2, cache_position.long(), rows)
     else:
-        cache.index_copy_(2, cache_position[valid], rows[:, :, valid])
+        cache.index_copy_(2, cache_position[valid].long(), rows[:, :, valid])
 
 
 def qk_norm_rope_cache_reference(

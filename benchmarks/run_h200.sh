@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call on the H200: install the tree, run a stage, leave logs and results in $OUT.
+#   bash benchmarks/run_h200.sh tests|forward|backward|all
+# The machine has no network: the project installs offline, expecttest travels as a wheel
+# in .whl/ (carried by the device tool).
+set -u
+stage=${1:-all}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$out/machine.txt"
+
+run_tests() {
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -x -rs \
+    tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py \
+    tests/test_qk_norm_rope_cache_model.py tests/test_qk_norm_rope_cache_op.py 2>&1 | tee "$out/gpu-tests.log" | tail -30
+}
+case "$stage" in
+  tests) run_tests ;;
+  forward) timeout 540 python3 benchmarks/bench_forward.py --out "$out" 2>&1 | tee "$out/forward.log" | tail -40 ;;
+  backward) timeout 540 python3 benchmarks/bench_backward.py --out "$out" 2>&1 | tee "$out/backward.log" | tail -40 ;;
+  all) timeout 380 python3 benchmarks/bench_forward.py --out "$out" --no-sweep 2>&1 | tee "$out/forward.log" | tail -25
+       run_tests ;;
+esac

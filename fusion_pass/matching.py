@@ -1,0 +1,67 @@
+"""Applying multi-output patterns layer by layer, first layer first, without creating cycles.
+
+A fusion over a whole attention prologue is a multi-output pattern whose branches (q, k, the
+V write) meet only at nodes every layer shares: the cos/sin tables (Inductor CSEs each layer's
+``cos.unsqueeze(1)`` into one node) and ``cache_position``. Inductor's matcher looks for the
+later branches among the users of those shared nodes, in graph order, and takes the first
+candidate that fits. ``PatternMatcherPass.apply`` visits anchors last to first, so the last
+layer's q would be paired with the first layer's k: a graph with a cycle. Visiting anchors
+first to last makes the first candidate the same layer's (the earlier layers' branches are
+already replaced), and ``creates_cycle`` rejects any pairing that would still be wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.pattern_matcher import (
+    Match,
+    PatternMatcherPass,
+    compute_mutation_region_ids,
+    get_mutation_region_id,
+    is_match,
+)
+
+
+def creates_cycle(match: Match) -> bool:
+    """True when an input of the match is computed from one of its outputs.
+
+    The replacement computes every output from the inputs, so such a match cannot be replaced
+    (it pairs branches of different layers: the later layer's input depends, through the
+    attention in between, on the earlier layer's cache write).
+    """
+    matched = set(match.nodes)
+    inputs = {n for n in match.kwargs.values() if isinstance(n, torch.fx.Node)}
+    outputs = [n for n in match.output_nodes() if n is not None]
+    seen: set[torch.fx.Node] = set()
+    pending = [user for out in outputs for user in out.users if user not in matched]
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        if node in inputs:
+            return True
+        seen.add(node)
+        pending.extend(node.users)
+    return False
+
+
+def apply_first_to_last(pass_dict: PatternMatcherPass, graph: torch.fx.Graph) -> int:
+    """``pass_dict.apply(graph)`` visiting anchor nodes in graph order; returns replacements."""
+    compute_mutation_region_ids(graph)
+    count = 0
+    for (op, target), entries in pass_dict.patterns.items():
+        for node in list(graph.find_nodes(op=op, target=target)):
+            for entry in entries:
+                if node._erased:
+                    break
+                match = entry.pattern.match(node)
+                if not is_match(match):
+                    continue
+                if len({get_mutation_region_id(graph, n) for n in match.nodes}) != 1:
+                    continue  # the match crosses a mutation barrier
+                if creates_cycle(match) or not entry.extra_check(match):
+                    continue
+                entry.apply(match, graph, node)
+                compute_mutation_region_ids(graph)
+                count += 1
+    return count

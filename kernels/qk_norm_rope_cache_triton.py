@@ -1,0 +1,558 @@
+"""Triton kernel behind ``torch.ops.fusion_pass.qk_norm_rope_cache``.
+
+One launch does, for every (batch b, head h, token s)::
+
+    q_out[b, h, s]  = rope(rms_norm(q[b, h, s], q_weight), cos[b, s], sin[b, s])
+    k_out[b, h, s]  = rope(rms_norm(k[b, h, s], k_weight), cos[b, s], sin[b, s])
+    k_cache[b, h, cache_position[s]] = k_out[b, h, s]      # skipped when the position is
+    v_cache[b, h, cache_position[s]] = v[b, h, s]          # outside [0, L): never out of bounds
+
+with Hugging Face's rounding (see ``qk_norm_rope_cache_reference.py``): statistics in fp32,
+the normalized row rounded to the model dtype, the weight product rounded, each RoPE product
+rounded and their sum rounded. All math runs in fp32 registers; every intermediate rounding
+is an explicit ``round to model dtype and back`` (``_round``).
+
+Work decomposition
+------------------
+The kernel is purely memory bound: per token it moves (Hq + Hkv + Hkv) rows in and
+(Hq + 3 Hkv) rows out (59 KB per token for Qwen3-Coder-480B: 96 q heads, 8 kv heads,
+D = 128, bf16); the FLOPs (about 10 per element) are free. So the design goal is to keep
+enough bytes in flight with fully used 16-byte accesses, and nothing else.
+
+* Grid ``(token_blocks, head_blocks, B)``. ``head_blocks`` lists the q head blocks, then the
+  k head blocks, then the v head blocks, so one launch covers all three tensors and every
+  program does one kind of work: q programs normalize + rotate + store q_out; k programs
+  normalize + rotate + store k_out and the k cache row; v programs copy v into the v cache.
+* A program owns a tile of ``HEADS_PER_PROGRAM x TOKENS_PER_PROGRAM`` rows of one tensor,
+  held as two ``[heads, tokens, D/2]`` fp32 tiles (the two RoPE halves: loading the halves
+  separately makes ``rotate_half`` free, and each half-row is a contiguous 128-byte segment
+  for D = 128 bf16, i.e. 8 lanes x 16 bytes). cos/sin are loaded once per program as
+  ``[tokens, D/2]`` tiles and broadcast over its heads; the RMS statistic is a reduction
+  over the last axis of the two halves.
+* Tile size rule (``launch_config``): about ``TILE_ELEMENTS = 4096`` elements per program
+  with 4 warps, i.e. 32 elements = four 16-byte vectors in flight per thread and ~16 KB of
+  traffic per program (D = 128: 32 rows). Heads per program = ``min(next_pow2(Hkv), rows)``
+  (8 for Qwen3: every head block is full for q, k and v alike); tokens per program = the
+  rest of the rows, capped at ``next_pow2(S)`` so decode (S = 1) does not mask away 3/4 of
+  the tile. For the large F cases this gives 14 head blocks x S/4 token blocks x B, e.g.
+  14336 programs for S = 4096: many waves of small programs, which is what a streaming
+  kernel wants (several resident programs per SM overlap each other's memory latency; there
+  is no loop to software-pipeline). For S = 1, B = 1 it gives 14 programs: the case is
+  launch-latency bound whatever the tiling. ``num_warps`` is 4, or fewer when the tile has
+  fewer than one 16-byte vector per lane and half row (decode: 8 x 1 x 64 bf16 -> 2 warps).
+  Compiled offline for sm_90 (Triton 3.7 + ptxas) the bf16 D = 128 kernel takes ~52-62
+  registers, no spills (8-9 resident programs per SM, ~64 KB of loads in flight per SM), and
+  every q/k/v access is a 16-byte ``ld/st.global.v4``.
+* Recompiles: ``seq_len`` is not specialized (``do_not_specialize``) and the only
+  shape-dependent constexprs are the tile sizes, which take at most
+  ``log2(rows / heads) + 1`` values (tokens per program 1, 2 or 4 for Qwen3 bf16): a new S
+  never compiles a new kernel once S >= 4.
+* Offsets: batch, head, token and cache-row indices are widened to int64 before they meet a
+  stride, so a cache of [B, 8, 262144, 128] (2^31 elements at B = 8) is addressed correctly.
+  A cache row is written only where ``0 <= cache_position[s] < L`` (and the row offset of a
+  skipped position is clamped to 0 before it forms a pointer); head, token and (for
+  non-power-of-two D) feature tails are masked on every load and store.
+* head_dim: any even D (tested 2 ... 256, including 48 and 96). Power-of-two D/2 gives
+  unmasked 16-byte accesses along D; other D pad the half to the next power of two and
+  mask it (correct, somewhat slower).
+
+The same ``@triton.jit`` kernel also computes cos/sin itself from ``position_ids`` [B, S]
+and ``inv_freq`` [D/2] (constexpr ``ROPE_FROM_POSITIONS``; Hugging Face's
+``freqs = pos.float() * inv_freq; cos = (cat(freqs, freqs).cos() * scaling).to(dtype)``),
+once per program for its tokens, with libdevice's accurate ``cosf``/``sinf`` (the functions
+torch's own CUDA kernels use; positions reach 262144 radians, where ``cos.approx`` is wrong).
+
+Rounding and exactness
+----------------------
+On the GPU ``x.to(bf16)`` rounds to nearest even, exactly like torch, so the only source of
+difference from the reference is the fp32 statistic: Triton's tree reduction sums the
+squares in another order than torch's ``mean`` and libdevice ``rsqrt`` may differ from
+torch's in the last fp32 bit. That moves the fp32 normalized value by an ulp or two, which
+flips its rounding to bf16 only when it lies within ~2^-16 relative of a tie: expect 0 bf16
+ulp almost everywhere and at most 1 bf16 ulp (measured at the scale of the RoPE terms, see
+``rope_ulp_error``) on GPU. fp16 behaves the same; fp32 agrees to a few fp32 ulps.
+
+Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) bf16 values are raw uint16
+and the fp32 -> bf16 cast truncates. The kernel therefore takes a constexpr ``INTERPRETED``
+flag: when set, ``_round`` emulates round-to-nearest-even for bf16 with integer bit
+arithmetic (the GPU build never contains that code) and the transcendental functions use
+``tl.cos``/``tl.sin``/``tl.rsqrt`` (numpy) because libdevice has no interpreter
+implementation. Measured on CPU against the reference (RoPE-term-scale ulps, 60 random cases
+plus the test suite): bf16 0, fp16 <= 1 (2 allowed), fp32 <= 5 fp32 ulps; the fp16/fp32
+differences come from numpy's summation order and 1/sqrt, the same cause as on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+#: Elements (one tensor, both halves) per program. 4096 with 4 warps = 32 elements per thread.
+TILE_ELEMENTS = 4096
+#: Warps per program.
+NUM_WARPS = 4
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Round fp32 ``x`` to ``dtype`` (nearest even) and return it as fp32."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        # The interpreter truncates fp32 -> bf16: emulate round-to-nearest-even on the bits.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = (bits >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_d):
+    """int64 element offsets ``[heads, rows, D/2]`` of the first halves of the given rows."""
+    row = batch * stride_b + heads[:, None] * stride_h + rows[None, :] * stride_row
+    return row[:, :, None] + offs_d[None, None, :]
+
+
+@triton.jit
+def _load_cos_sin(
+    cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_s64, token_mask, offs_d, d_mask,
+    stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
+    attention_scaling,
+    dtype: tl.constexpr, HALF: tl.constexpr, ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """cos/sin of this program's tokens as four fp32 ``[tokens, D/2]`` tiles (first/second half).
+
+    (Loaded as 2-D tiles: the compiler moves these small tiles into the heads' layout. A 3-D
+    ``[1, tokens, D/2]`` load instead made it move the large head tiles into cos's layout.)
+    """
+    mask = token_mask[:, None] & d_mask[None, :]
+    if ROPE_FROM_POSITIONS:
+        positions = tl.load(position_ids_ptr + batch * stride_pos_b + offs_s64 * stride_pos_s, mask=token_mask, other=0)
+        inv_freq = tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        freqs = positions.to(tl.float32)[:, None] * inv_freq[None, :]
+        if INTERPRETED:
+            cos = tl.cos(freqs)
+            sin = tl.sin(freqs)
+        else:
+            cos = libdevice.cos(freqs)
+            sin = libdevice.sin(freqs)
+        cos = _round(cos * attention_scaling, dtype, INTERPRETED)
+        sin = _round(sin * attention_scaling, dtype, INTERPRETED)
+        # emb = cat(freqs, freqs): both halves share one table.
+        return cos, cos, sin, sin
+    else:
+        cos_row = cos_ptr + batch * stride_cos_b + offs_s64[:, None] * stride_cos_s + offs_d[None, :]
+        sin_row = sin_ptr + batch * stride_sin_b + offs_s64[:, None] * stride_sin_s + offs_d[None, :]
+        cos1 = tl.load(cos_row, mask=mask, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_row + HALF, mask=mask, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_row, mask=mask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_row + HALF, mask=mask, other=0.0).to(tl.float32)
+        return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _norm_rope(
+    x1, x2, weight_ptr, offs_d, d_mask, eps, cos1, cos2, sin1, sin2,
+    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """RMSNorm then rotate_half RoPE of a ``[heads, tokens, D/2]`` pair of fp32 half tiles.
+
+    Returns the two halves of the result, rounded to ``dtype`` (held in fp32).
+    """
+    # Qwen3RMSNorm: fp32 statistics, normalized row rounded, weight product rounded.
+    mean_square = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) * (1.0 / HEAD_DIM)
+    if INTERPRETED:
+        rstd = tl.rsqrt(mean_square + eps)
+    else:
+        rstd = libdevice.rsqrt(mean_square + eps)
+    w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
+    w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
+    y1 = _round(w1 * _round(x1 * rstd[:, :, None], dtype, INTERPRETED), dtype, INTERPRETED)
+    y2 = _round(w2 * _round(x2 * rstd[:, :, None], dtype, INTERPRETED), dtype, INTERPRETED)
+    # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1];
+    # each product is rounded, then the sum. round(-a) == -round(a) under nearest-even.
+    c1 = cos1[None, :, :]
+    c2 = cos2[None, :, :]
+    s1 = sin1[None, :, :]
+    s2 = sin2[None, :, :]
+    out1 = _round(_round(y1 * c1, dtype, INTERPRETED) - _round(y2 * s1, dtype, INTERPRETED), dtype, INTERPRETED)
+    out2 = _round(_round(y2 * c2, dtype, INTERPRETED) + _round(y1 * s2, dtype, INTERPRETED), dtype, INTERPRETED)
+    return out1, out2
+
+
+@triton.jit(do_not_specialize=["seq_len"])
+def _qk_norm_rope_cache_kernel(
+    # tensors
+    q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr,
+    cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr,
+    k_cache_ptr, v_cache_ptr, cache_position_ptr, q_out_ptr, k_out_ptr,
+    # sizes
+    seq_len, q_heads, kv_heads, cache_len,
+    # strides (batch, head, token) of the [B, H, S, D] tensors and (batch, head, row) of the caches
+    stride_q_b, stride_q_h, stride_q_s,
+    stride_k_b, stride_k_h, stride_k_s,
+    stride_v_b, stride_v_h, stride_v_s,
+    stride_qo_b, stride_qo_h, stride_qo_s,
+    stride_ko_b, stride_ko_h, stride_ko_s,
+    stride_kc_b, stride_kc_h, stride_kc_l,
+    stride_vc_b, stride_vc_h, stride_vc_l,
+    stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
+    stride_pos_b, stride_pos_s, stride_cache_position,
+    # scalars
+    q_eps, k_eps, attention_scaling,
+    # compile-time configuration
+    HEAD_DIM: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr,
+    ROPE_FROM_POSITIONS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype: tl.constexpr = q_out_ptr.dtype.element_ty
+
+    token_block = tl.program_id(0)
+    head_block = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    q_head_blocks = (q_heads + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
+    kv_head_blocks = (kv_heads + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
+
+    offs_s = token_block * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
+    token_mask = offs_s < seq_len
+    offs_s64 = offs_s.to(tl.int64)
+    offs_d = tl.arange(0, HALF_BLOCK)
+    if HALF_BLOCK == HALF:
+        d_mask = offs_d < HALF_BLOCK  # all true; folded by the compiler
+    else:
+        d_mask = offs_d < HALF
+    d3 = offs_d[None, None, :]
+    d_mask3 = d_mask[None, None, :]
+
+    if head_block < q_head_blocks:
+        # ---- q: norm + rope -> q_out
+        offs_h = (head_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
+        mask = ((offs_h < q_heads)[:, None] & token_mask[None, :])[:, :, None] & d_mask3
+        src = q_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_q_b, stride_q_h, stride_q_s, offs_d)
+        x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        cos1, cos2, sin1, sin2 = _load_cos_sin(
+            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_s64, token_mask, offs_d, d_mask,
+            stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
+            attention_scaling, dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
+        )
+        out1, out2 = _norm_rope(
+            x1, x2, q_weight_ptr, offs_d, d_mask, q_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM, HALF, INTERPRETED
+        )
+        dst = q_out_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_qo_b, stride_qo_h, stride_qo_s, offs_d)
+        tl.store(dst, out1.to(dtype), mask=mask)
+        tl.store(dst + HALF, out2.to(dtype), mask=mask)
+    else:
+        # ---- k or v: this program's tokens also own cache rows
+        positions = tl.load(cache_position_ptr + offs_s64 * stride_cache_position, mask=token_mask, other=-1)
+        positions = positions.to(tl.int64)
+        position_ok = token_mask & (positions >= 0) & (positions < cache_len)
+        positions = tl.where(position_ok, positions, 0)  # no pointer is ever formed out of bounds
+        kv_block = head_block - q_head_blocks
+        if kv_block < kv_head_blocks:
+            # ---- k: norm + rope -> k_out and k_cache
+            offs_h = (kv_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
+            head_ok = offs_h < kv_heads
+            mask = (head_ok[:, None] & token_mask[None, :])[:, :, None] & d_mask3
+            src = k_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_k_b, stride_k_h, stride_k_s, offs_d)
+            x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            x2 = tl.load(src + HALF, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            cos1, cos2, sin1, sin2 = _load_cos_sin(
+                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_s64, token_mask, offs_d, d_mask,
+                stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
+                attention_scaling, dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
+            )
+            out1, out2 = _norm_rope(
+                x1, x2, k_weight_ptr, offs_d, d_mask, k_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM, HALF, INTERPRETED
+            )
+            out1 = out1.to(dtype)
+            out2 = out2.to(dtype)
+            dst = k_out_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_ko_b, stride_ko_h, stride_ko_s, offs_d)
+            tl.store(dst, out1, mask=mask)
+            tl.store(dst + HALF, out2, mask=mask)
+            cache_mask = (head_ok[:, None] & position_ok[None, :])[:, :, None] & d_mask3
+            dst = k_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_kc_b, stride_kc_h, stride_kc_l, offs_d)
+            tl.store(dst, out1, mask=cache_mask)
+            tl.store(dst + HALF, out2, mask=cache_mask)
+        else:
+            # ---- v: copy into v_cache (raw values, no math); v rows of skipped positions are not read
+            offs_h = ((kv_block - kv_head_blocks) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
+            cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
+            src = v_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_v_b, stride_v_h, stride_v_s, offs_d)
+            v1 = tl.load(src, mask=cache_mask, other=0.0, eviction_policy="evict_first")
+            v2 = tl.load(src + HALF, mask=cache_mask, other=0.0, eviction_policy="evict_first")
+            dst = v_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_vc_b, stride_vc_h, stride_vc_l, offs_d)
+            tl.store(dst, v1, mask=cache_mask)
+            tl.store(dst + HALF, v2, mask=cache_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile and grid of one launch (see the module docstring for the rule)."""
+
+    half_block: int  # next_pow2(D / 2): the feature tile of each RoPE half
+    heads_per_program: int
+    tokens_per_program: int
+    num_warps: int
+    grid: tuple[int, int, int]  # (token blocks, q + k + v head blocks, batch)
+
+
+def launch_config(
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    seq_len: int,
+    head_dim: int,
+    element_size: int = 2,
+    tokens_per_program: int | None = None,
+    heads_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> LaunchConfig:
+    """Pick the tile and grid for q [B, Hq, S, D] and k/v [B, Hkv, S, D] (element_size in bytes).
+
+    Rule: ``rows = TILE_ELEMENTS // D`` rows (head x token) per program,
+    ``heads = min(next_pow2(Hkv), rows)``, ``tokens = min(rows // heads, next_pow2(S))``,
+    ``num_warps = min(NUM_WARPS, lanes needed for one 16-byte vector each per half row)``.
+    The overrides (powers of two) exist for tuning sweeps and tests.
+    """
+    half_block = triton.next_power_of_2(max(1, head_dim // 2))
+    rows = max(1, TILE_ELEMENTS // (2 * half_block))
+    heads = heads_per_program or min(triton.next_power_of_2(kv_heads), rows)
+    tokens = tokens_per_program or min(max(1, rows // heads), triton.next_power_of_2(max(1, seq_len)))
+    for name, value in (("heads_per_program", heads), ("tokens_per_program", tokens)):
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if num_warps is None:
+        # At most NUM_WARPS, and no more warps than give every lane one 16-byte vector per half
+        # row: a decode tile of 8 heads x 1 token x 64 bf16 takes 2 warps, not 4 half-idle ones.
+        vector = max(1, 16 // element_size)
+        num_warps = min(NUM_WARPS, triton.next_power_of_2(max(1, heads * tokens * half_block // (32 * vector))))
+    head_blocks = triton.cdiv(q_heads, heads) + 2 * triton.cdiv(kv_heads, heads)
+    grid = (triton.cdiv(seq_len, tokens), head_blocks, batch)
+    return LaunchConfig(half_block, heads, tokens, num_warps, grid)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launch(
+    q, k, v, q_weight, k_weight, cos, sin, position_ids, inv_freq, attention_scaling,
+    k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
+    tokens_per_program, heads_per_program, num_warps,
+) -> None:
+    batch, q_heads, seq_len, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if q.numel() == 0 or k.numel() == 0:
+        return
+    config = launch_config(
+        batch, q_heads, kv_heads, seq_len, head_dim, q.element_size(), tokens_per_program, heads_per_program, num_warps
+    )
+    from_positions = position_ids is not None
+    if from_positions:
+        cos = sin = q_weight  # unused pointers (constexpr branch)
+        cos_strides = sin_strides = (0, 0)
+        pos_strides = (position_ids.stride(0) if position_ids.shape[0] > 1 else 0, position_ids.stride(1))
+    else:
+        position_ids = inv_freq = cache_position  # unused pointers (constexpr branch)
+        cos_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1))
+        sin_strides = (sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1))
+        pos_strides = (0, 0)
+    _qk_norm_rope_cache_kernel[config.grid](
+        q, k, v, q_weight, k_weight,
+        cos, sin, position_ids, inv_freq,
+        k_cache, v_cache, cache_position, q_out, k_out,
+        seq_len, q_heads, kv_heads, k_cache.shape[2],
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *cos_strides, *sin_strides, *pos_strides, cache_position.stride(0),
+        float(q_eps), float(k_eps), float(attention_scaling),
+        HEAD_DIM=head_dim,
+        HALF_BLOCK=config.half_block,
+        HEADS_PER_PROGRAM=config.heads_per_program,
+        TOKENS_PER_PROGRAM=config.tokens_per_program,
+        ROPE_FROM_POSITIONS=from_positions,
+        INTERPRETED=_interpreted(),
+        num_warps=config.num_warps,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Public launchers
+# --------------------------------------------------------------------------------------------
+
+
+def qk_norm_rope_cache_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_position: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    *,
+    tokens_per_program: int | None = None,
+    heads_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Fused per-head RMSNorm(q, k) -> RoPE -> K/V cache write, one kernel launch.
+
+    Arguments are those of ``torch.ops.fusion_pass.qk_norm_rope_cache`` (validated there by
+    ``check_qk_norm_rope_cache_args``), plus the preallocated outputs.
+
+    Args:
+        q: [B, Hq, S, D]; k, v: [B, Hkv, S, D] (any strides, ``stride(-1) == 1``).
+        q_weight, k_weight: [D] RMSNorm weights.
+        cos, sin: [Bc, S, D] with Bc in {1, B}, rows contiguous.
+        k_cache, v_cache: [B, Hkv, L, D], written in place at ``cache_position``.
+        cache_position: [S] int64 or int32; rows outside [0, L) are skipped.
+        q_eps, k_eps: the norms' epsilons.
+        q_out, k_out: outputs shaped like q and k (any strides, ``stride(-1) == 1``).
+        tokens_per_program, heads_per_program, num_warps: tuning overrides (powers of two);
+            default ``launch_config``'s rule.
+    """
+    _launch(
+        q, k, v, q_weight, k_weight, cos, sin, None, None, 1.0,
+        k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
+        tokens_per_program, heads_per_program, num_warps,
+    )
+
+
+def qk_norm_rope_cache_from_positions_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_position: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    *,
+    tokens_per_program: int | None = None,
+    heads_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """As ``qk_norm_rope_cache_triton``, with cos/sin computed in the kernel (Hugging Face rotary).
+
+    ``cos, sin = rope_cos_sin_reference(position_ids, inv_freq, attention_scaling, q.dtype)``
+    is evaluated in registers, once per program for its tokens.
+
+    Args:
+        position_ids: [B, S] int64 or int32 (a batch stride of 0 is fine, e.g. ``expand``).
+        inv_freq: [D/2] fp32 inverse frequencies.
+        attention_scaling: multiplies cos and sin before their rounding (1.0 for default RoPE).
+        Other arguments: as ``qk_norm_rope_cache_triton``, without cos/sin.
+    """
+    batch, _, seq_len, head_dim = q.shape
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"position_ids: expected shape [B={batch} or 1, S={seq_len}], got {tuple(position_ids.shape)}")
+    if position_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"position_ids: expected dtype int64 or int32, got {position_ids.dtype}")
+    if tuple(inv_freq.shape) != (head_dim // 2,) or inv_freq.dtype != torch.float32 or inv_freq.stride(0) != 1:
+        raise ValueError(
+            f"inv_freq: expected a contiguous fp32 tensor of shape [{head_dim // 2}], "
+            f"got {inv_freq.dtype} {tuple(inv_freq.shape)} strides {inv_freq.stride()}"
+        )
+    _launch(
+        q, k, v, q_weight, k_weight, None, None, position_ids, inv_freq, attention_scaling,
+        k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
+        tokens_per_program, heads_per_program, num_warps,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-PyTorch references and checking helpers (tests and benchmarks)
+# --------------------------------------------------------------------------------------------
+
+
+def rope_cos_sin_reference(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face rotary embedding: position_ids [B, S], inv_freq [D/2] -> cos, sin [B, S, D].
+
+    ``freqs = pos.float() * inv_freq; emb = cat(freqs, freqs); cos = (emb.cos() * scaling).to(dtype)``.
+    """
+    freqs = position_ids[..., None].to(torch.float32) * inv_freq.to(torch.float32)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
+
+
+def qk_norm_rope_cache_from_positions_reference(
+    q, k, v, q_weight, k_weight, position_ids, inv_freq, attention_scaling, k_cache, v_cache, cache_position,
+    q_eps, k_eps,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``qk_norm_rope_cache_from_positions_triton``: returns (q_rot, k_rot), writes the caches."""
+    from .qk_norm_rope_cache_reference import qk_norm_rope_cache_reference
+
+    cos, sin = rope_cos_sin_reference(position_ids, inv_freq, attention_scaling, q.dtype)
+    return qk_norm_rope_cache_reference(
+        q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps
+    )
+
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def rope_ulp_error(
+    out: torch.Tensor, ref: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> float:
+    """Largest ``|out - ref|`` in ulps of the RoPE terms' scale, over all elements.
+
+    ``out = round(x*cos) + round(rotate_half(x)*sin)`` can cancel, so a one-ulp difference in
+    a term is many ulps of a small result; the fair unit is the ulp of
+    ``max(|ref|, |x*cos| + |rotate_half(x)*sin|)``.
+
+    Args:
+        out, ref: [B, H, S, D] kernel and reference outputs (same dtype).
+        normed: [B, H, S, D] the reference's normalized input of RoPE (``rms_norm_reference``).
+        cos, sin: [Bc, S, D] the tables used.
+    """
+    if out.numel() == 0:
+        return 0.0
+    mantissa = _MANTISSA_BITS[ref.dtype]
+    tiny = torch.finfo(ref.dtype).tiny
+    x = normed.to(torch.float32)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    terms = (x * cos.unsqueeze(1).float()).abs() + (rotated * sin.unsqueeze(1).float()).abs()
+    scale = torch.maximum(ref.to(torch.float32).abs(), terms).clamp_min(tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(scale)) - mantissa)
+    return float(((out.to(torch.float32) - ref.to(torch.float32)).abs() / ulp).max())

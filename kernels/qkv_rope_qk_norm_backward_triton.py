@@ -1,0 +1,822 @@
+"""Backward of QKV projection -> RoPE -> per-head RMSNorm (HunYuanDenseV1 / HunyuanImage-3 order).
+
+The forward being differentiated (eager bf16, RoPE *before* the norm)::
+
+    qkv = hidden @ W.T (+ bias)                       # [M = B*S, (Hq + 2*Hkv) * D]
+    q, k, v = split(qkv) -> view [B, S, H, D] -> transpose [B, H, S, D]
+    x = q * cos + rotate_half(q) * sin                # each product and the sum rounded to dtype
+    y = w * (x.float() * rstd).to(dtype)              # rstd = rsqrt(mean(x.float()**2) + eps), fp32
+
+Two pieces, launched one after the other by the training-side op (kernels/qkv_rope_qk_norm_op.py):
+
+1. ``qk_norm_rope_backward_triton`` -- ONE memory pass over the tokens. A program owns a contiguous
+   range of tokens (b, s); per token it reads the grad rows of all q/k/v heads, the pre-RoPE q/k
+   rows (strided views of the forward's qkv), rstd and the cos/sin row once, does all math in
+   fp32 and writes d(qkv) once, directly into the caller's ``[M, qkv_size]`` GEMM layout (no
+   transpose, no cat). Per head row (g = grad of y, R(.) = round to the model dtype)::
+
+       x   = R(R(q*cos) + R(rotate_half(q)*sin))          # recomputed RoPE, eager rounding
+       gw += R(g * R(x*rstd))                             # norm-weight grad (fp32 partial)
+       gn  = R(g * w)                                      # mul backward, in dtype (as autograd)
+       dx  = R(rstd*gn - x * rstd^3 * sum(gn*x)/D)         # fp32 RMSNorm backward, then .to(dtype)
+       dq1 = R(R(dx1*c1) + R(dx2*s2));  dq2 = R(R(dx2*c2) - R(dx1*s1))   # RoPE^T
+       grad_cos += R(dx*q);  grad_sin += R(dx*rotate_half(q))  (summed over heads of q and k)
+
+   Each R(.) mirrors one rounding that autograd performs on the eager bf16 graph, so d(qkv) equals
+   autograd's up to the fp32 summation order of sum(gn*x) (measured in the tests: within 1 bf16
+   ulp). Sums over heads / tokens are done in fp32 and rounded once (autograd rounds the q and
+   k parts separately: a sub-ulp difference). Rounding is done with integer RNE on the fp32 bit
+   pattern for bf16, so the Triton interpreter (whose casts truncate) gives the same bits as the GPU.
+
+   Deterministic reductions, no atomics: each program writes its norm-weight partials to a
+   ``[programs, 2*D]`` fp32 workspace, summed by ``_sum_partials_kernel`` (one fixed tree per
+   compiled kernel). grad_cos/grad_sin are complete per token (all heads are in one program) and
+   stored directly when cos has a batch row per token (Bc == B, or B == 1); with a broadcast
+   ``Bc == 1 < B`` they go to a ``[B, 2*S*D]`` fp32 workspace that the same reduce kernel sums
+   over B.
+
+   Grid rule: ``programs = min(M, ELEMENTWISE_PROGRAMS_PER_SM * SMs)``, tokens split evenly. Enough
+   programs to keep every SM streaming, few enough that the weight partials stay tiny
+   (528 x 256 x 4 B = 0.5 MB at most on an H200 with 132 SMs).
+
+2. ``qkv_projection_backward`` -- the two GEMMs ``grad_hidden = grad_qkv @ W`` and
+   ``grad_W = grad_qkv.T @ hidden`` (+ optional bias grad). Large M: two cuBLAS calls (torch.mm),
+   which reach ~the matmul peak there. Small M (memory-bound: W read 50 MB + grad_W written 50 MB
+   at N=6144, K=4096, while two cuBLAS calls reach ~50 % of bandwidth at M=128): a Triton kernel
+   that streams W exactly once for both products. Program (k-tile, n-split) holds the hidden strip
+   ``hidden[:, k-tile]`` and an fp32 accumulator ``acc[M_pad, BLOCK_K]``, and walks the n-tiles of
+   its N range::
+
+       g   = grad_qkv[:, n-tile]                  # [M_pad, BLOCK_N], re-read from L2 by every k-tile
+       acc += g @ W[n-tile, k-tile]               # grad_hidden partial over this N range
+       grad_W[n-tile, k-tile] = g.T @ hidden[:, k-tile]     # complete (sum over all M), stored once
+
+   then writes ``acc`` to a ``[SPLIT, M, K]`` fp32 workspace (split-N) that ``_sum_partials_kernel``
+   sums in a fixed order (or directly to grad_hidden when SPLIT == 1).
+
+   Tile choice (see ``_fused_gemm_config``): the whole M lives in one tile (M_pad = next pow2 >= 16),
+   so the kernel is for M <= 256. BLOCK_K trades the L2 re-reads of grad_qkv (``K / BLOCK_K`` times)
+   against the accumulator's registers (``M_pad * BLOCK_K`` fp32 per program): BLOCK_K = 128 for
+   M_pad <= 128 (64 KB accumulator, G re-read 32x = 50 MB of L2 traffic at M = 128), 64 for
+   M_pad = 256. BLOCK_N = 64 (W tile 16 KB, enough bytes in flight per stage with 3 stages).
+   SPLIT = SMs / k-tiles rounded (4 at K = 4096, BLOCK_K = 128 on 132 SMs: 128 programs), which
+   costs a ``SPLIT * M * K * 4`` B workspace (8 MB at M = 128, mostly L2-resident).
+   ``FUSED_GEMM_MAX_M`` decides cuBLAS vs fused; set it from ``benchmarks/bench_backward.py``.
+
+Measured error (H200, all 16 cases of WORKLOADS.md B, vs a float64 autograd reference):
+to be filled by the lead from ``benchmarks/bench_backward.py`` (``rel_err`` column).
+
+Supported: q/k/grads/cos/sin/norm weights all in one dtype (bf16, fp16, fp32), rstd any float dtype,
+any strides with a contiguous last dim, D even, Bc in {1, B}, Hq and Hkv any (GQA). CUDA, or CPU under
+``TRITON_INTERPRET=1``. Callers handle other cases with their PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------
+# Tunables (explicit, documented above; the lead sets them from benchmarks/bench_backward.py).
+# ----------------------------------------------------------------------------------------------
+ELEMENTWISE_PROGRAMS_PER_SM = 4
+FUSED_GEMM_MAX_M = 256  # largest M routed to the fused W-streaming kernel (must be <= 256)
+_INTERPRETER_SMS = 2  # "SM count" under TRITON_INTERPRET=1: keeps the interpreter cheap
+
+_ROUND_NONE, _ROUND_BF16, _ROUND_FP16 = 0, 1, 2
+_ROUND_MODE = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
+SUPPORTED_DTYPES = tuple(_ROUND_MODE)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_applicable(t: torch.Tensor) -> bool:
+    """True where these kernels can run on ``t``'s device: CUDA, or CPU under the interpreter."""
+    return t.is_cuda or (t.device.type == "cpu" and _interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    if device_index is None:
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sms_of(t: torch.Tensor) -> int:
+    return _num_sms(t.device.index if t.is_cuda else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared device helpers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    """``tl.sum(x, axis)`` spelled as ``tl.reduce``: these kernels call no ``@triton.jit`` function
+    of triton.language itself (tl.sum, tl.zeros), which stay compiled-mode functions when triton
+    was imported before ``TRITON_INTERPRET=1`` was set (a conftest importing torch first); the
+    interpreter patches tl.reduce and never calls the combine function."""
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def _round(x, ROUND: tl.constexpr):
+    """Round fp32 ``x`` to the model dtype's precision (nearest even) and return it as fp32.
+
+    bf16: integer RNE on the fp32 bits (identical on GPU and in the interpreter, whose fp32->bf16
+    cast truncates); NaN passes through. fp16: a cast there and back. fp32: identity.
+    """
+    if ROUND == 1:
+        u = x.to(tl.uint32, bitcast=True)
+        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        return tl.where(x != x, x, u.to(tl.float32, bitcast=True))
+    elif ROUND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _sum_partials_kernel(
+    ws_ptr,  # [P, L] fp32, contiguous
+    out_a_ptr,  # columns [0, L_A) go here ...
+    out_b_ptr,  # ... columns [L_A, L) here (may be out_a_ptr when L_A == L)
+    P,
+    L,
+    L_A,
+    ROUND: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """out[j] = sum_p ws[p, j] in a fixed order (chunks of BLOCK_P rows, tree within a chunk)."""
+    pid = tl.program_id(0)
+    cols = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cmask = cols < L
+    rows = tl.arange(0, BLOCK_P)
+    acc = tl.full([BLOCK_L], 0.0, tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        r = p0 + rows
+        tile = tl.load(
+            ws_ptr + r.to(tl.int64)[:, None] * L + cols[None, :],
+            mask=(r < P)[:, None] & cmask[None, :],
+            other=0.0,
+        )
+        acc += _sum(tile, 0)
+    acc = _round(acc, ROUND)
+    ptrs = tl.where(cols < L_A, out_a_ptr + cols, out_b_ptr + (cols - L_A))
+    tl.store(ptrs, acc, mask=cmask)
+
+
+def _sum_partials(ws: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor | None = None) -> None:
+    """Sum the rows of the fp32 workspace ``ws [P, L]`` into ``out_a`` (first numel columns) and
+    ``out_b`` (the rest); both outputs contiguous, same dtype."""
+    P, L = ws.shape
+    L_A = out_a.numel()
+    if out_b is None:
+        assert L_A == L
+        out_b = out_a
+    else:
+        assert L_A + out_b.numel() == L and out_b.dtype == out_a.dtype and out_b.is_contiguous()
+    assert out_a.is_contiguous() and ws.is_contiguous() and ws.dtype == torch.float32
+    # One [BLOCK_P, BLOCK_L] tile of <= 8K fp32 per step: all rows at once when P <= 1024 (the
+    # norm-weight partials: P <= 4 * SMs), so the reduce is one round trip, and wide column blocks
+    # when P is small (the split-N grad_hidden partials: P <= 8, many programs).
+    BLOCK_P = min(1024, triton.next_power_of_2(max(P, 1)))
+    BLOCK_L = max(8, min(1024, 8192 // BLOCK_P))
+    grid = (triton.cdiv(L, BLOCK_L),)
+    _sum_partials_kernel[grid](
+        ws, out_a, out_b, P, L, L_A,
+        ROUND=_ROUND_MODE[out_a.dtype], BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Elementwise pass: RMSNorm backward + RoPE backward for q and k, copy of v
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _heads_load(g_row, g_sh, q_row, q_sh, r_row, r_sh,
+                H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Issue the loads of one token's H head rows: grad halves, pre-RoPE q halves, rstd."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    hmask = h < H
+    m2 = hmask[:, None] & (d < HALF)[None, :]
+    h64 = h.to(tl.int64)
+    g_off = h64[:, None] * g_sh + d[None, :]
+    q_off = h64[:, None] * q_sh + d[None, :]
+    g1 = tl.load(g_row + g_off, mask=m2, other=0.0)
+    g2 = tl.load(g_row + g_off + HALF, mask=m2, other=0.0)
+    q1 = tl.load(q_row + q_off, mask=m2, other=0.0)
+    q2 = tl.load(q_row + q_off + HALF, mask=m2, other=0.0)
+    r = tl.load(r_row + h64 * r_sh, mask=hmask, other=0.0)
+    return g1, g2, q1, q2, r
+
+
+@triton.jit
+def _heads_backward(
+    g1, g2, q1, q2, r,  # loaded by _heads_load (model dtype; rstd any float dtype)
+    o_row,  # d(q_proj) row of this token: head h at o_row + h*D (contiguous heads)
+    w1, w2, c1, c2, s1, s2,  # [BLOCK_HALF] fp32 rows (weights, cos/sin halves)
+    H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, ROUND: tl.constexpr,
+):
+    """Backward of w * rmsnorm(rope(q)) for the H heads of one token; stores d(q_proj) and returns
+    the per-token sums over heads (gw1, gw2, gc1, gc2, gs1, gs2), each [BLOCK_HALF] fp32."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    m2 = (h < H)[:, None] & (d < HALF)[None, :]
+    # Upcast right after the load (the interpreter holds bf16 as raw bits).
+    g1 = g1.to(tl.float32)
+    g2 = g2.to(tl.float32)
+    q1 = q1.to(tl.float32)
+    q2 = q2.to(tl.float32)
+    r = r.to(tl.float32)[:, None]
+
+    # RoPE recomputed with eager's roundings: x = R(R(q*cos) + R(rotate_half(q)*sin)).
+    x1 = _round(_round(q1 * c1[None, :], ROUND) - _round(q2 * s1[None, :], ROUND), ROUND)
+    x2 = _round(_round(q2 * c2[None, :], ROUND) + _round(q1 * s2[None, :], ROUND), ROUND)
+
+    # y = w * R(x*r): weight grad (per element rounded like autograd's mul backward).
+    gw1 = _sum(_round(g1 * _round(x1 * r, ROUND), ROUND), 0)
+    gw2 = _sum(_round(g2 * _round(x2 * r, ROUND), ROUND), 0)
+    gn1 = _round(g1 * w1[None, :], ROUND)
+    gn2 = _round(g2 * w2[None, :], ROUND)
+
+    # RMSNorm backward in fp32, rounded once (the x.float() cast's backward).
+    dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BLOCK_H]
+    coef = r * r * r * (dot / D)[:, None]
+    dx1 = _round(gn1 * r - x1 * coef, ROUND)
+    dx2 = _round(gn2 * r - x2 * coef, ROUND)
+
+    # cos/sin grads: t1 = q*cos -> dcos += dx*q; t2 = rotate_half(q)*sin -> dsin += dx*cat(-q2, q1).
+    gc1 = _sum(_round(dx1 * q1, ROUND), 0)
+    gc2 = _sum(_round(dx2 * q2, ROUND), 0)
+    gs1 = -_sum(_round(dx1 * q2, ROUND), 0)
+    gs2 = _sum(_round(dx2 * q1, ROUND), 0)
+
+    # RoPE backward: dq = dx*cos + rotate_half^T(dx*sin), rotate_half^T(y) = cat(y2, -y1).
+    dq1 = _round(_round(dx1 * c1[None, :], ROUND) + _round(dx2 * s2[None, :], ROUND), ROUND)
+    dq2 = _round(_round(dx2 * c2[None, :], ROUND) - _round(dx1 * s1[None, :], ROUND), ROUND)
+    o_off = h.to(tl.int64)[:, None] * D + d[None, :]
+    tl.store(o_row + o_off, dq1, mask=m2)
+    tl.store(o_row + o_off + HALF, dq2, mask=m2)
+    return gw1, gw2, gc1, gc2, gs1, gs2
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(
+    gq_ptr, gq_sb, gq_sh, gq_ss,  # grad_q [B, Hq, S, D]
+    gk_ptr, gk_sb, gk_sh, gk_ss,  # grad_k [B, Hkv, S, D]
+    gv_ptr, gv_sb, gv_sh, gv_ss,  # grad_v [B, Hkv, S, D]
+    q_ptr, q_sb, q_ss, q_sh,  # q [B, S, Hq, D] (pre-RoPE, strided view of qkv)
+    k_ptr, k_sb, k_ss, k_sh,  # k [B, S, Hkv, D]
+    rq_ptr, rq_sb, rq_sh, rq_ss,  # q_rstd [B, Hq, S]
+    rk_ptr, rk_sb, rk_sh, rk_ss,  # k_rstd [B, Hkv, S]
+    cos_ptr, cos_sb, cos_ss,  # cos [Bc, S, D] (cos_sb = 0 when Bc == 1)
+    sin_ptr, sin_sb, sin_ss,
+    wq_ptr, wk_ptr,  # norm weights [D], contiguous
+    dq_ptr, dq_sb, dq_ss,  # outputs: d(q_proj) [B, S, Hq*D], heads contiguous
+    dk_ptr, dk_sb, dk_ss,
+    dv_ptr, dv_sb, dv_ss,
+    gw_ws_ptr,  # [programs, 2*D] fp32 norm-weight partials
+    gc_ptr, gc_sb, gc_ss,  # grad_cos destination: output (Bc == B or B == 1) or fp32 workspace
+    gs_ptr, gs_sb, gs_ss,  # grad_sin destination
+    M, S, tokens_per_program,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROUND: tl.constexpr, CS_ROUND: tl.constexpr,
+    NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    wq1 = tl.load(wq_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    wq2 = tl.load(wq_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    wk1 = tl.load(wk_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    wk2 = tl.load(wk_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    gwq1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+    gwq2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+    gwk1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+    gwk2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+
+    hv = tl.arange(0, BLOCK_HKV).to(tl.int64)
+    dv_cols = tl.arange(0, BLOCK_D)
+    v_mask = (hv < HKV)[:, None] & (dv_cols < D)[None, :]
+
+    t_start = pid * tokens_per_program
+    t_end = tl.minimum(t_start + tokens_per_program, M)
+    for t in range(t_start, t_end):
+        b = (t // S).to(tl.int64)
+        s = (t % S).to(tl.int64)
+        # All loads of this token first (q, k, v, cos/sin, rstd), so they are in flight together.
+        cos_row = cos_ptr + b * cos_sb + s * cos_ss
+        sin_row = sin_ptr + b * sin_sb + s * sin_ss
+        c1 = tl.load(cos_row + d, mask=dmask, other=0.0)
+        c2 = tl.load(cos_row + HALF + d, mask=dmask, other=0.0)
+        s1 = tl.load(sin_row + d, mask=dmask, other=0.0)
+        s2 = tl.load(sin_row + HALF + d, mask=dmask, other=0.0)
+        gq1, gq2, qq1, qq2, rq = _heads_load(
+            gq_ptr + b * gq_sb + s * gq_ss, gq_sh, q_ptr + b * q_sb + s * q_ss, q_sh,
+            rq_ptr + b * rq_sb + s * rq_ss, rq_sh, HQ, BLOCK_HQ, HALF, BLOCK_HALF,
+        )
+        gk1, gk2, kk1, kk2, rk = _heads_load(
+            gk_ptr + b * gk_sb + s * gk_ss, gk_sh, k_ptr + b * k_sb + s * k_ss, k_sh,
+            rk_ptr + b * rk_sb + s * rk_ss, rk_sh, HKV, BLOCK_HKV, HALF, BLOCK_HALF,
+        )
+        v = tl.load(gv_ptr + b * gv_sb + s * gv_ss + hv[:, None] * gv_sh + dv_cols[None, :], mask=v_mask)
+        c1 = c1.to(tl.float32)
+        c2 = c2.to(tl.float32)
+        s1 = s1.to(tl.float32)
+        s2 = s2.to(tl.float32)
+
+        # v: a plain copy from [B, Hkv, S, D] into the projection layout (no upcast needed).
+        tl.store(dv_ptr + b * dv_sb + s * dv_ss + hv[:, None] * D + dv_cols[None, :], v, mask=v_mask)
+        qw1, qw2, qc1, qc2, qs1, qs2 = _heads_backward(
+            gq1, gq2, qq1, qq2, rq, dq_ptr + b * dq_sb + s * dq_ss,
+            wq1, wq2, c1, c2, s1, s2, HQ, BLOCK_HQ, D, HALF, BLOCK_HALF, ROUND,
+        )
+        kw1, kw2, kc1, kc2, ks1, ks2 = _heads_backward(
+            gk1, gk2, kk1, kk2, rk, dk_ptr + b * dk_sb + s * dk_ss,
+            wk1, wk2, c1, c2, s1, s2, HKV, BLOCK_HKV, D, HALF, BLOCK_HALF, ROUND,
+        )
+        if NEED_W:
+            gwq1 += qw1
+            gwq2 += qw2
+            gwk1 += kw1
+            gwk2 += kw2
+        if NEED_CS:
+            gc_row = gc_ptr + b * gc_sb + s * gc_ss
+            gs_row = gs_ptr + b * gs_sb + s * gs_ss
+            tl.store(gc_row + d, _round(qc1 + kc1, CS_ROUND), mask=dmask)
+            tl.store(gc_row + HALF + d, _round(qc2 + kc2, CS_ROUND), mask=dmask)
+            tl.store(gs_row + d, _round(qs1 + ks1, CS_ROUND), mask=dmask)
+            tl.store(gs_row + HALF + d, _round(qs2 + ks2, CS_ROUND), mask=dmask)
+
+    if NEED_W:
+        ws_row = gw_ws_ptr + pid.to(tl.int64) * (2 * D)
+        tl.store(ws_row + d, gwq1, mask=dmask)
+        tl.store(ws_row + HALF + d, gwq2, mask=dmask)
+        tl.store(ws_row + D + d, gwk1, mask=dmask)
+        tl.store(ws_row + D + HALF + d, gwk2, mask=dmask)
+
+
+def elementwise_supported(grad_q, grad_k, grad_v, q, k, cos, sin, q_weight, k_weight) -> bool:
+    """True when ``qk_norm_rope_backward_triton`` handles these tensors (else it raises ValueError):
+    a device Triton runs on, one dtype in SUPPORTED_DTYPES for all of them, an even head_dim and
+    contiguous last dims. Callers use their PyTorch reference otherwise (e.g. fp32 cos with bf16 q)."""
+    tensors = (grad_q, grad_k, grad_v, q, k, cos, sin, q_weight, k_weight)
+    return (
+        triton_applicable(q)
+        and q.dtype in SUPPORTED_DTYPES
+        and all(t.dtype == q.dtype and t.device == q.device for t in tensors)
+        and q.shape[-1] % 2 == 0
+        and all(t.numel() == 0 or t.stride(-1) == 1 for t in tensors)
+    )
+
+
+def _bsn_strides(t: torch.Tensor, B: int, S: int, N: int, name: str) -> tuple[int, int]:
+    """(stride over b, stride over s) of a [B, S, N] / [B*S, N] / [B, S, H, D] tensor whose
+    trailing N elements per token are contiguous."""
+    if t.dim() == 2 and tuple(t.shape) == (B * S, N) and t.stride(1) == 1:
+        return S * t.stride(0), t.stride(0)
+    if t.dim() == 3 and tuple(t.shape) == (B, S, N) and t.stride(2) == 1:
+        return t.stride(0), t.stride(1)
+    if t.dim() == 4 and tuple(t.shape[:2]) == (B, S) and t.shape[2] * t.shape[3] == N:
+        if t.stride(3) == 1 and t.stride(2) == t.shape[3]:
+            return t.stride(0), t.stride(1)
+    raise ValueError(
+        f"qk_norm_rope_backward_triton: {name}: expected [B*S, {N}] or [B, S, {N}] with contiguous "
+        f"rows, got shape {tuple(t.shape)} strides {tuple(t.stride())}"
+    )
+
+
+def _rstd_strides(r: torch.Tensor, B: int, H: int, S: int, name: str) -> tuple[int, int, int]:
+    if r.dim() == 4 and r.shape[3] == 1:
+        r = r[..., 0]
+    if r.dim() != 3 or tuple(r.shape) != (B, H, S):
+        raise ValueError(f"qk_norm_rope_backward_triton: {name}: expected [B, H, S] (or [B, H, S, 1]), "
+                         f"got {tuple(r.shape)}")
+    return r.stride(0), r.stride(1), r.stride(2)
+
+
+def qk_norm_rope_backward_triton(
+    grad_q: torch.Tensor,
+    grad_k: torch.Tensor,
+    grad_v: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_rstd: torch.Tensor,
+    k_rstd: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    grad_q_proj: torch.Tensor,
+    grad_k_proj: torch.Tensor,
+    grad_v_proj: torch.Tensor,
+    need_weight_grad: bool,
+    need_cos_sin_grad: bool,
+    num_programs: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of ``w * rmsnorm(rope(q))`` for q and k (and the layout copy of v), one pass.
+
+    Args:
+        grad_q: [B, Hq, S, D] grad of the normed q; grad_k, grad_v: [B, Hkv, S, D]. Any strides,
+            contiguous last dim.
+        q: [B, S, Hq, D], k: [B, S, Hkv, D] pre-RoPE projections (strided views, contiguous last dim).
+        q_rstd, k_rstd: [B, H, S] (or [B, H, S, 1]) rstd of the forward norms; any float dtype.
+        cos, sin: [Bc, S, D], Bc in {1, B}.
+        q_weight, k_weight: [D] norm weights.
+        grad_q_proj: [B, S, Hq*D] (or [B*S, Hq*D]); grad_k_proj, grad_v_proj: [B, S, Hkv*D]:
+            preallocated outputs, written in full (typically views of one [M, qkv_size] buffer).
+        need_weight_grad, need_cos_sin_grad: compute (and return) those grads.
+        num_programs: override the grid size (tests); default ``min(M, 4 * SMs)``.
+
+    Returns:
+        (grad_q_weight [D], grad_k_weight [D], grad_cos [Bc, S, D], grad_sin [Bc, S, D]) in the
+        weights' / cos' dtype, None where not requested.
+    """
+    B, HQ, S, D = grad_q.shape
+    HKV = grad_k.shape[1]
+    dtype = q.dtype
+    if D % 2:
+        raise ValueError(f"qk_norm_rope_backward_triton: head_dim must be even, got {D}")
+    if tuple(q.shape) != (B, S, HQ, D) or tuple(k.shape) != (B, S, HKV, D):
+        raise ValueError(f"qk_norm_rope_backward_triton: q/k shapes {tuple(q.shape)}/{tuple(k.shape)} "
+                         f"do not match grads {tuple(grad_q.shape)}/{tuple(grad_k.shape)}")
+    if tuple(grad_k.shape) != (B, HKV, S, D) or tuple(grad_v.shape) != (B, HKV, S, D):
+        raise ValueError("qk_norm_rope_backward_triton: grad_k / grad_v must be [B, Hkv, S, D]")
+    Bc = cos.shape[0]
+    if cos.dim() != 3 or Bc not in (1, B) or tuple(cos.shape[1:]) != (S, D) or sin.shape != cos.shape:
+        raise ValueError(f"qk_norm_rope_backward_triton: cos/sin must be [1 or B, S, D], got "
+                         f"{tuple(cos.shape)} / {tuple(sin.shape)}")
+    for name, t in (("grad_q", grad_q), ("grad_k", grad_k), ("grad_v", grad_v), ("k", k),
+                    ("cos", cos), ("sin", sin), ("q_weight", q_weight), ("k_weight", k_weight),
+                    ("grad_q_proj", grad_q_proj), ("grad_k_proj", grad_k_proj),
+                    ("grad_v_proj", grad_v_proj)):
+        if t.dtype != dtype:
+            raise ValueError(f"qk_norm_rope_backward_triton: {name} has dtype {t.dtype}, expected q's {dtype}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"qk_norm_rope_backward_triton: {name} needs a contiguous last dim, "
+                             f"got strides {tuple(t.stride())}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"qk_norm_rope_backward_triton: dtype {dtype} not in {SUPPORTED_DTYPES}")
+    if q.stride(-1) != 1:
+        raise ValueError("qk_norm_rope_backward_triton: q needs a contiguous last dim")
+
+    M = B * S
+    dev = q.device
+    q_weight = q_weight.contiguous()
+    k_weight = k_weight.contiguous()
+    dq_sb, dq_ss = _bsn_strides(grad_q_proj, B, S, HQ * D, "grad_q_proj")
+    dk_sb, dk_ss = _bsn_strides(grad_k_proj, B, S, HKV * D, "grad_k_proj")
+    dv_sb, dv_ss = _bsn_strides(grad_v_proj, B, S, HKV * D, "grad_v_proj")
+    rq_s = _rstd_strides(q_rstd, B, HQ, S, "q_rstd")
+    rk_s = _rstd_strides(k_rstd, B, HKV, S, "k_rstd")
+    cos_sb = cos.stride(0) if Bc > 1 else 0
+    sin_sb = sin.stride(0) if Bc > 1 else 0
+
+    if M == 0:
+        gw = (torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if need_weight_grad else (None, None)
+        gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
+        return gw[0], gw[1], gcs[0], gcs[1]
+
+    if num_programs is None:
+        num_programs = ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q)
+    programs = max(1, min(M, num_programs))
+    tokens_per_program = triton.cdiv(M, programs)
+    programs = triton.cdiv(M, tokens_per_program)
+
+    gw_ws = torch.empty((programs, 2 * D) if need_weight_grad else (1,), device=dev, dtype=torch.float32)
+
+    grad_cos = grad_sin = cs_ws = None
+    if need_cos_sin_grad:
+        grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
+        grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
+        if Bc == B:  # one cos row per token (also B == 1): store directly
+            gc, gs = grad_cos, grad_sin
+            gc_sb, gc_ss = (S * D, D) if B > 1 else (0, D)
+            cs_round = _ROUND_MODE[cos.dtype]
+        else:  # broadcast cos (Bc == 1 < B): per-token fp32 rows, summed over B afterwards
+            cs_ws = torch.empty((B, 2 * S * D), device=dev, dtype=torch.float32)
+            gc, gs = cs_ws[:, : S * D], cs_ws[:, S * D:]
+            gc_sb, gc_ss = 2 * S * D, D
+            cs_round = _ROUND_NONE
+    else:
+        gc = gs = gw_ws  # never written
+        gc_sb = gc_ss = 0
+        cs_round = _ROUND_NONE
+
+    HALF = D // 2
+    BLOCK_HQ = triton.next_power_of_2(HQ)
+    BLOCK_HKV = triton.next_power_of_2(HKV)
+    BLOCK_HALF = triton.next_power_of_2(HALF)
+    # 8 warps once a half tile of q reaches 2048 elements (32 heads x 64): ~8 fp32 per thread per
+    # live tile keeps the ~10 live tiles well inside the register file.
+    num_warps = 8 if BLOCK_HQ * BLOCK_HALF >= 2048 else 4
+
+    _qk_norm_rope_bwd_kernel[(programs,)](
+        grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
+        grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
+        grad_v, grad_v.stride(0), grad_v.stride(1), grad_v.stride(2),
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k, k.stride(0), k.stride(1), k.stride(2),
+        q_rstd, *rq_s,
+        k_rstd, *rk_s,
+        cos, cos_sb, cos.stride(1),
+        sin, sin_sb, sin.stride(1),
+        q_weight, k_weight,
+        grad_q_proj, dq_sb, dq_ss,
+        grad_k_proj, dk_sb, dk_ss,
+        grad_v_proj, dv_sb, dv_ss,
+        gw_ws,
+        gc, gc_sb, gc_ss,
+        gs, gc_sb, gc_ss,
+        M, S, tokens_per_program,
+        HQ=HQ, HKV=HKV, D=D, HALF=HALF,
+        BLOCK_HQ=BLOCK_HQ, BLOCK_HKV=BLOCK_HKV, BLOCK_HALF=BLOCK_HALF,
+        BLOCK_D=triton.next_power_of_2(D),
+        ROUND=_ROUND_MODE[dtype], CS_ROUND=cs_round,
+        NEED_W=need_weight_grad, NEED_CS=need_cos_sin_grad,
+        num_warps=num_warps,
+    )
+
+    grad_qw = grad_kw = None
+    if need_weight_grad:
+        grad_qw = torch.empty((D,), device=dev, dtype=q_weight.dtype)
+        grad_kw = torch.empty((D,), device=dev, dtype=k_weight.dtype)
+        _sum_partials(gw_ws, grad_qw, grad_kw)
+    if cs_ws is not None:
+        _sum_partials(cs_ws, grad_cos, grad_sin)
+    return grad_qw, grad_kw, grad_cos, grad_sin
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. The projection GEMMs: grad_hidden = G @ W, grad_W = G.T @ hidden (+ bias grad)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _proj_bwd_fused_kernel(
+    g_ptr, g_sm, g_sn,  # grad_qkv G [M, N]
+    h_ptr, h_sm, h_sk,  # hidden H [M, K]
+    w_ptr, w_sn, w_sk,  # weight W [N, K]
+    gw_ptr, gw_sn, gw_sk,  # grad_W [N, K] (output)
+    acc_ptr, acc_sp, acc_sm, acc_sk,  # grad_hidden (SPLIT == 1) or fp32 partials [SPLIT, M, K]
+    bias_ptr,  # grad_bias [N] (output)
+    M, N, K, n_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE_GW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROUND: tl.constexpr, ACC_ROUND: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (k-tile, n-split): stream W[n-range, k-tile] once; emit grad_W tiles and a
+    grad_hidden partial acc[M, k-tile] over the n-range. The whole M is one tile (BLOCK_M >= M)."""
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    m64 = offs_m.to(tl.int64)
+    k64 = offs_k.to(tl.int64)
+
+    if COMPUTE_GW:
+        h = tl.load(h_ptr + m64[:, None] * h_sm + k64[None, :] * h_sk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if UPCAST:
+            h = h.to(tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_K], 0.0, tl.float32)
+
+    n_start = pid_s * n_per_split
+    n_end = tl.minimum(n_start + n_per_split, N)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        n64 = offs_n.to(tl.int64)
+        g = tl.load(g_ptr + m64[:, None] * g_sm + n64[None, :] * g_sn,
+                    mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + n64[:, None] * w_sn + k64[None, :] * w_sk,
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_BIAS:
+            if pid_k == 0:
+                gb = _sum(g.to(tl.float32), 0)
+                tl.store(bias_ptr + n64, _round(gb, ROUND), mask=n_mask)
+        if UPCAST:
+            g = g.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(g, w, acc, input_precision=PRECISION)
+        if COMPUTE_GW:
+            gw = tl.dot(tl.trans(g), h, input_precision=PRECISION)  # [BLOCK_N, BLOCK_K], sum over M
+            tl.store(gw_ptr + n64[:, None] * gw_sn + k64[None, :] * gw_sk, _round(gw, ROUND),
+                     mask=n_mask[:, None] & k_mask[None, :])
+
+    tl.store(acc_ptr + pid_s.to(tl.int64) * acc_sp + m64[:, None] * acc_sm + k64[None, :] * acc_sk,
+             _round(acc, ACC_ROUND), mask=m_mask[:, None] & k_mask[None, :])
+
+
+def _fused_gemm_config(M: int, K: int, sms: int) -> dict:
+    """Tiles for the fused kernel (documented in the module docstring)."""
+    block_m = max(16, triton.next_power_of_2(M))
+    if block_m > 256:
+        raise ValueError(f"fused projection backward handles M <= 256, got {M}")
+    block_k = 128 if block_m <= 128 else 64
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    num_warps = 8 if block_m * block_k >= 8192 else 4
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, num_warps=num_warps, num_stages=3)
+
+
+def _fused_split(N: int, k_tiles: int, sms: int, block_n: int) -> tuple[int, int]:
+    """(split count, n_per_split): about one program per SM, n_per_split a multiple of BLOCK_N."""
+    want = max(1, round(sms / k_tiles))
+    n_per_split = triton.cdiv(triton.cdiv(N, want), block_n) * block_n
+    return triton.cdiv(N, n_per_split), n_per_split
+
+
+def _launch_fused(grad_proj, hidden, weight, grad_weight, acc, acc_strides, split_offset, grad_bias,
+                  cfg, split, n_per_split, acc_round):
+    M, N = grad_proj.shape
+    K = hidden.shape[1]
+    interp = not grad_proj.is_cuda
+    dtype = grad_proj.dtype
+    compute_gw = grad_weight is not None
+    gw = grad_weight if compute_gw else weight  # placeholder pointer, never written
+    has_bias = grad_bias is not None
+    bias = grad_bias if has_bias else weight
+    acc_view = acc if split_offset == 0 else acc[split_offset:]
+    grid = (triton.cdiv(K, cfg["BLOCK_K"]), split)
+    _proj_bwd_fused_kernel[grid](
+        grad_proj, grad_proj.stride(0), grad_proj.stride(1),
+        hidden, hidden.stride(0), hidden.stride(1),
+        weight, weight.stride(0), weight.stride(1),
+        gw, gw.stride(0), gw.stride(1),
+        acc_view, *acc_strides,
+        bias,
+        M, N, K, n_per_split,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        COMPUTE_GW=compute_gw, HAS_BIAS=has_bias,
+        ROUND=_ROUND_MODE[dtype], ACC_ROUND=acc_round,
+        UPCAST=interp, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def fused_gemm_applicable(grad_proj: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        triton_applicable(grad_proj)
+        and grad_proj.dtype in SUPPORTED_DTYPES
+        and grad_proj.dtype == hidden.dtype == weight.dtype
+        and 0 < grad_proj.shape[0] <= 256
+    )
+
+
+def _projections_backward_fused(grads, hidden, weights, need_hidden_grad, need_weight_grad, need_bias_grad):
+    """Fused kernel over one or several projections sharing ``hidden``; grad_hidden partials of all
+    of them go to one workspace and one fixed-order reduce (or straight to grad_hidden)."""
+    M, K = hidden.shape
+    dev, dtype = hidden.device, hidden.dtype
+    sms = _sms_of(hidden)
+    cfg = _fused_gemm_config(M, K, sms)
+    k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
+    splits = [_fused_split(g.shape[1], k_tiles, sms, cfg["BLOCK_N"]) for g in grads]
+    total_split = sum(s for s, _ in splits)
+    grad_hidden = torch.empty((M, K), device=dev, dtype=dtype) if need_hidden_grad else None
+    direct = need_hidden_grad and total_split == 1
+    if direct:
+        acc, acc_strides, acc_round = grad_hidden, (0, K, 1), _ROUND_MODE[dtype]
+    else:
+        acc = torch.empty((total_split, M, K), device=dev, dtype=torch.float32)
+        acc_strides, acc_round = (M * K, K, 1), _ROUND_NONE
+    grad_weights, grad_biases = [], []
+    offset = 0
+    for g, w, (split, n_per_split) in zip(grads, weights, splits):
+        gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_weight_grad else None
+        gb = torch.empty((w.shape[0],), device=dev, dtype=dtype) if need_bias_grad else None
+        _launch_fused(g, hidden, w, gw, acc, acc_strides, offset, gb, cfg, split, n_per_split, acc_round)
+        offset += split
+        grad_weights.append(gw)
+        grad_biases.append(gb)
+    if need_hidden_grad and not direct:
+        _sum_partials(acc.view(total_split, M * K), grad_hidden)
+    return grad_hidden, grad_weights, grad_biases
+
+
+def qkv_projection_backward(
+    grad_qkv: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    need_hidden_grad: bool = True,
+    need_weight_grad: bool = True,
+    need_bias_grad: bool = False,
+    strategy: str = "auto",
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(grad_hidden [M, K], grad_weight [N, K], grad_bias [N] or None) of ``qkv = hidden @ W.T (+b)``.
+
+    strategy: "auto" (fused Triton kernel for M <= FUSED_GEMM_MAX_M where Triton runs, else torch),
+    "fused", "torch" (two cuBLAS calls), or "triton_gh" (fused kernel for grad_hidden only, grad_W
+    by cuBLAS: a measurement variant).
+    """
+    M, N = grad_qkv.shape
+    if hidden.shape[0] != M or weight.shape != (N, hidden.shape[1]):
+        raise ValueError(f"qkv_projection_backward: shapes grad_qkv {tuple(grad_qkv.shape)}, hidden "
+                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)} do not fit")
+    if strategy == "auto":
+        use_fused = fused_gemm_applicable(grad_qkv, hidden, weight) and M <= FUSED_GEMM_MAX_M
+        strategy = "fused" if use_fused else "torch"
+    if strategy == "fused":
+        gh, gws, gbs = _projections_backward_fused([grad_qkv], hidden, [weight], need_hidden_grad,
+                                                   need_weight_grad, need_bias_grad)
+        return gh, gws[0], gbs[0]
+    if strategy == "triton_gh":
+        gh, _, gbs = _projections_backward_fused([grad_qkv], hidden, [weight], need_hidden_grad,
+                                                 False, need_bias_grad)
+        gw = torch.mm(grad_qkv.t(), hidden) if need_weight_grad else None
+        return gh, gw, gbs[0]
+    if strategy != "torch":
+        raise ValueError(f"qkv_projection_backward: unknown strategy {strategy!r}")
+    gh = torch.mm(grad_qkv, weight) if need_hidden_grad else None
+    gw = torch.mm(grad_qkv.t(), hidden) if need_weight_grad else None
+    gb = grad_qkv.sum(0) if need_bias_grad else None
+    return gh, gw, gb
+
+
+def separate_projections_backward(
+    grads: list[torch.Tensor],
+    hidden: torch.Tensor,
+    weights: list[torch.Tensor],
+    need_hidden_grad: bool = True,
+    need_weight_grad: bool = True,
+    need_bias_grad: bool = False,
+    strategy: str = "auto",
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Separate q/k/v projections (``q = hidden @ Wq.T`` ...): grad_hidden = sum_i grads[i] @ W_i
+    accumulated without an extra pass, and each grad_W_i = grads[i].T @ hidden.
+
+    torch path: ``mm`` then ``addmm_(beta=1)`` into the same buffer (one rounding per add, as
+    autograd's accumulation). fused path: all splits of all projections in one fp32 workspace,
+    one reduce.
+    """
+    if len(grads) != len(weights) or not grads:
+        raise ValueError("separate_projections_backward: one weight per grad, at least one")
+    M = hidden.shape[0]
+    if strategy == "auto":
+        ok = all(fused_gemm_applicable(g, hidden, w) for g, w in zip(grads, weights))
+        strategy = "fused" if ok and M <= FUSED_GEMM_MAX_M else "torch"
+    if strategy == "fused":
+        return _projections_backward_fused(grads, hidden, weights, need_hidden_grad, need_weight_grad,
+                                           need_bias_grad)
+    if strategy != "torch":
+        raise ValueError(f"separate_projections_backward: unknown strategy {strategy!r}")
+    gh = None
+    if need_hidden_grad:
+        gh = torch.mm(grads[0], weights[0])
+        for g, w in zip(grads[1:], weights[1:]):
+            gh.addmm_(g, w)
+    gws = [torch.mm(g.t(), hidden) if need_weight_grad else None for g in grads]
+    gbs = [g.sum(0) if need_bias_grad else None for g in grads]
+    return gh, gws, gbs
+
+
+def full_backward_triton(
+    grad_q: torch.Tensor,
+    grad_k: torch.Tensor,
+    grad_v: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_rstd: torch.Tensor,
+    k_rstd: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    need_norm_weight_grad: bool = True,
+    need_cos_sin_grad: bool = True,
+    need_bias_grad: bool = False,
+    gemm_strategy: str = "auto",
+) -> dict[str, torch.Tensor | None]:
+    """The whole backward for a fused QKV weight: elementwise pass into one [M, qkv_size] buffer,
+    then the projection GEMMs. ``hidden`` is [M, K], ``weight`` [qkv_size, K]. Returns a dict with
+    grad_hidden, grad_weight, grad_bias, grad_q_weight, grad_k_weight, grad_cos, grad_sin."""
+    B, HQ, S, D = grad_q.shape
+    HKV = grad_k.shape[1]
+    nq, nk = HQ * D, HKV * D
+    grad_qkv = torch.empty((B * S, nq + 2 * nk), device=q.device, dtype=q.dtype)
+    gqw, gkw, gcos, gsin = qk_norm_rope_backward_triton(
+        grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight,
+        grad_qkv[:, :nq], grad_qkv[:, nq: nq + nk], grad_qkv[:, nq + nk:],
+        need_weight_grad=need_norm_weight_grad, need_cos_sin_grad=need_cos_sin_grad,
+    )
+    gh, gw, gb = qkv_projection_backward(grad_qkv, hidden, weight, need_bias_grad=need_bias_grad,
+                                         strategy=gemm_strategy)
+    return dict(grad_hidden=gh, grad_weight=gw, grad_bias=gb, grad_q_weight=gqw, grad_k_weight=gkw,
+                grad_cos=gcos, grad_sin=gsin, grad_qkv=grad_qkv)

@@ -1,0 +1,382 @@
+"""Fusion ``qk_norm_rope_cache``: per-head RMSNorm(q, k) -> RoPE -> K/V cache write.
+
+The model code matched (Hugging Face ``Qwen3Attention.forward`` with a ``StaticCache``)::
+
+    query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    # StaticCache.update:
+    self.keys.index_copy_(2, cache_position, key_states)      # or keys[:, :, cache_position] = k
+    self.values.index_copy_(2, cache_position, value_states)  # or keys[:, :, start:end] = k
+
+with ``Qwen3RMSNorm``: ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).to(dtype)``
+and ``apply_rotary_pos_emb``: ``x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)``.
+
+unfused (post-grad graph, per layer)::
+
+    q [B,S,Hq,D] -> f32 -> pow -> mean -> add eps -> rsqrt -> mul -> bf16 -> mul w -> permute -> RoPE -> q_rot
+    k [B,S,Hkv,D] -> (same) -> RoPE -> k_rot -> index_put(k_cache, [None, None, pos], k_rot)
+    v [B,Hkv,S,D] -> index_put(v_cache, [None, None, pos], v)
+
+fused::
+
+    q_rot, k_rot, k_cache', v_cache' = auto_functionalized(fusion_pass.qk_norm_rope_cache, ...)
+
+The pattern ends at the functional cache writes and never spans the ``copy_`` write-back that
+functionalization appends for the mutated cache inputs; Inductor turns ``auto_functionalized``
+back into an in-place call on the cache buffers, so no cache-sized copy is made.
+
+Variants (one registration each, generated from one definition):
+
+- layout: the norm runs on ``[B, S, H, D]`` before the transpose (Hugging Face), or on
+  ``[B, H, S, D]`` directly (the SOL-ExecBench formulation);
+- cache write: ``index_put`` (from ``index_copy_`` and ``cache[:, :, pos] = x``; with B = 1 the
+  latter writes ``x.reshape(H, S, D)``, which is canonicalized to ``x`` first), or
+  ``slice_scatter`` (from ``cache[:, :, start:end] = x``), canonicalized into an index_put at
+  ``arange(start, end)`` before matching (a multi-output pattern cannot anchor the V write of
+  a slice assignment: it shares no graph node with the rest, only the constants start/end).
+
+bf16 and fp16 share a registration: the first match ignores dtypes and the pattern matcher
+re-traces each candidate with its real dtypes and shapes before accepting it.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized
+from torch._inductor.pattern_matcher import (
+    Match,
+    PatternMatcherPass,
+    fwd_only,
+    gen_pattern,
+    register_graph_pattern,
+    register_replacement,
+)
+
+from fusion_pass import config as fusion_config
+from fusion_pass import match_report
+from fusion_pass.kernels.qk_norm_rope_cache_op import unsupported_reason
+from fusion_pass.matching import apply_first_to_last
+
+FAMILY = "qk_norm_rope_cache"
+
+aten = torch.ops.aten
+
+# Unusual values so that the traced pattern can tell the two epsilons apart and turn them
+# into keyword arguments (register_replacement's scalar_workaround).
+_Q_EPS_EXAMPLE = 1.2345e-5
+_K_EPS_EXAMPLE = 2.3456e-5
+
+
+# --- the model code, as functions --------------------------------------------------------
+
+def _rms_norm(x, weight, eps):
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
+
+
+def _rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x, cos, sin):
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose):
+    q = _rms_norm(q, q_weight, q_eps)
+    k = _rms_norm(k, k_weight, k_eps)
+    if norm_before_transpose:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+# --- search and replacement, per cache-write flavour --------------------------------------
+
+def _search_index_put(norm_before_transpose):
+    def search(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
+        q_rot, k_rot = _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose)
+        k_cache = aten.index_put.default(k_cache, [None, None, cache_position], k_rot)
+        v_cache = aten.index_put.default(v_cache, [None, None, cache_position], v)
+        return q_rot, k_rot, k_cache, v_cache
+
+    return search
+
+
+def _replace_index_put(norm_before_transpose):
+    def replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
+        return _fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps,
+                      norm_before_transpose)
+
+    return replace
+
+
+def _fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps,
+           norm_before_transpose):
+    if norm_before_transpose:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    # torch.compile(dynamic=True) lifts the float eps into a 0-d tensor graph input.
+    op = torch.ops.fusion_pass.qk_norm_rope_cache.default
+    if isinstance(q_eps, torch.Tensor) or isinstance(k_eps, torch.Tensor):
+        op = torch.ops.fusion_pass.qk_norm_rope_cache_eps_tensor.default
+        q_eps, k_eps = (e if isinstance(e, torch.Tensor) else torch.tensor(e, dtype=torch.float64)
+                        for e in (q_eps, k_eps))
+    # cos/sin were bound after apply_rotary_pos_emb's unsqueeze(1): [B or 1, 1, S, D].
+    out = auto_functionalized(
+        op,
+        q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, cos=cos.squeeze(1), sin=sin.squeeze(1),
+        k_cache=k_cache, v_cache=v_cache, cache_position=cache_position, q_eps=q_eps, k_eps=k_eps,
+    )
+    # auto_functionalized returns the op's outputs, then the mutated caches in schema order.
+    return out[0], out[1], out[2], out[3]
+
+
+# --- checks ----------------------------------------------------------------------------
+
+def _val(match: Match, name: str):
+    node = match.kwargs[name]
+    return node.meta["val"] if isinstance(node, torch.fx.Node) else node
+
+
+def _check(match: Match, norm_before_transpose: bool) -> bool:
+    """Accept a match only when the fused op computes exactly what the graph computed."""
+    q, k, v = _val(match, "q"), _val(match, "k"), _val(match, "v")
+    k_cache, v_cache = _val(match, "k_cache"), _val(match, "v_cache")
+    cos, sin = _val(match, "cos"), _val(match, "sin")
+    q_weight, k_weight = _val(match, "q_weight"), _val(match, "k_weight")
+    names = ("q", "k", "v", "k_cache", "v_cache", "cos", "sin")
+    if len({match.kwargs[n] for n in names}) != len(names):
+        return False  # symmetric branches bound to the same node
+    if not fusion_config.device_allowed(q.device):
+        return False
+    if norm_before_transpose:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if q.dim() != 4 or k.dim() != 4 or tuple(v.shape) != tuple(k.shape):
+        return False
+    batch, q_heads, seq, head_dim = q.shape
+    if cos.dim() != 4 or cos.shape[1] != 1 or tuple(sin.shape) != tuple(cos.shape):
+        return False  # cos/sin broadcast over heads is what the op implements
+    if cos.shape[0] not in (1, batch) or cos.shape[2] != seq or cos.shape[3] != head_dim:
+        return False
+    if k_cache.dim() != 4 or tuple(k_cache.shape[:2]) != (batch, k.shape[1]) or k_cache.shape[3] != head_dim:
+        return False
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        return False
+    if tuple(q_weight.shape) != (head_dim,) or tuple(k_weight.shape) != (head_dim,):
+        return False
+    dtypes = {t.dtype for t in (q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache)}
+    if len(dtypes) != 1:
+        match_report.record_near_miss(FAMILY, f"mixed dtypes {sorted(str(d) for d in dtypes)}")
+        return False
+    if k.shape[1] == 0 or q_heads % k.shape[1]:
+        return False
+    if "cache_position" in match.kwargs:
+        position = _val(match, "cache_position")
+        if position.dim() != 1 or position.shape[0] != seq or position.dtype not in (torch.int64, torch.int32):
+            return False
+    reason = unsupported_reason(head_dim, q.dtype)
+    if reason is not None:
+        match_report.record_near_miss(FAMILY, reason)
+        return False
+    return True
+
+
+# --- registration --------------------------------------------------------------------------
+
+def _example_inputs(norm_before_transpose: bool):
+    batch, q_heads, kv_heads, seq, head_dim, length = 2, 4, 2, 8, 16, 24
+    dtype = torch.bfloat16
+
+    def t(*shape):
+        return torch.empty(shape, dtype=dtype)
+
+    if norm_before_transpose:
+        q, k = t(batch, seq, q_heads, head_dim), t(batch, seq, kv_heads, head_dim)
+    else:
+        q, k = t(batch, q_heads, seq, head_dim), t(batch, kv_heads, seq, head_dim)
+    # Distinct example tensors for every argument: shared ones would merge in the pattern.
+    common = [q, k, t(batch, kv_heads, seq, head_dim), t(head_dim), t(head_dim),
+              t(batch, 1, seq, head_dim), t(batch, 1, seq, head_dim),
+              t(batch, kv_heads, length, head_dim), t(batch, kv_heads, length, head_dim)]
+    # The epsilons are not listed: they come from scalar_workaround.
+    return common + [torch.arange(seq)]
+
+
+def register(pass_dict) -> None:
+    """Register every variant of this fusion into ``pass_dict`` (a ``PatternMatcherPass``)."""
+    for norm_before_transpose in (True, False):
+        register_replacement(
+            _search_index_put(norm_before_transpose),
+            _replace_index_put(norm_before_transpose),
+            _example_inputs(norm_before_transpose),
+            fwd_only,
+            pass_dict,
+            extra_check=functools.partial(_check, norm_before_transpose=norm_before_transpose),
+            scalar_workaround={"q_eps": _Q_EPS_EXAMPLE, "k_eps": _K_EPS_EXAMPLE},
+            exclusive_arg_names=("q", "k", "v", "k_cache", "v_cache"),
+        )
+
+
+def apply(graph: torch.fx.Graph, pass_dict) -> int:
+    """Run the registered patterns on ``graph``; returns the number of layers fused.
+
+    Slice-assigned cache writes are first rewritten as index_put writes at ``arange(start,
+    end)`` so that one pattern covers both; the ones no fusion consumed are put back as they
+    were, so an unmatched graph leaves this pass unchanged.
+    """
+    drop_batch_of_one_reshapes(graph)
+    rewrites = canonicalize_slice_writes(graph)
+    count = apply_first_to_last(pass_dict, graph)
+    restore_unfused_slice_writes(graph, rewrites)
+    _near_miss_pass().apply(graph)
+    return count
+
+
+# --- near-misses: a per-head norm -> RoPE that no fusion consumed -----------------------------
+
+_NO_CACHE_WRITE = "per-head RMSNorm -> RoPE without a matching K/V cache write (left unfused)"
+
+
+@functools.lru_cache(maxsize=None)
+def _near_miss_pass():
+    """A pass whose patterns only report: one hit per norm -> RoPE left in the graph."""
+    near_misses = PatternMatcherPass(pass_name="fusion_pass_qk_norm_rope_cache_near_misses")
+
+    def report_only(match: Match, *args, **kwargs) -> None:
+        match_report.record_near_miss(FAMILY, _NO_CACHE_WRITE)
+
+    def norm_rope(norm_before_transpose):
+        def search(x, weight, cos, sin, eps):
+            x = _rms_norm(x, weight, eps)
+            return _rope(x.transpose(1, 2) if norm_before_transpose else x, cos, sin)
+
+        return search
+
+    for norm_before_transpose in (True, False):
+        t = functools.partial(torch.empty, dtype=torch.bfloat16)
+        example = [t(2, 8, 4, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)]
+        if not norm_before_transpose:
+            example[0] = t(2, 4, 8, 16)
+        pattern = gen_pattern(norm_rope(norm_before_transpose), example, fwd_only, scalar_workaround={"eps": _Q_EPS_EXAMPLE})
+        register_graph_pattern(
+            pattern, pass_dict=near_misses,
+            extra_check=lambda match: fusion_config.device_allowed(_val(match, "x").device),
+        )(report_only)
+    return near_misses
+
+
+# --- cache writes spelled otherwise ----------------------------------------------------------
+
+def drop_batch_of_one_reshapes(graph: torch.fx.Graph) -> None:
+    """``index_put(cache, [None, None, pos], x.reshape(H, S, D))`` -> ``index_put(cache, [None,
+    None, pos], x)`` when x is [1, H, S, D] (what ``cache[:, :, pos] = x`` traces to for B = 1).
+
+    The value broadcasts to the same rows either way, so this changes no result.
+    """
+    for node in graph.find_nodes(op="call_function", target=aten.index_put.default):
+        cache, indices, value = node.args[:3]
+        if not (isinstance(value, torch.fx.Node) and value.target is aten.reshape.default):
+            continue
+        source = value.args[0]
+        if not isinstance(source, torch.fx.Node) or "val" not in source.meta:
+            continue
+        before, after = source.meta["val"].shape, value.meta["val"].shape
+        if len(before) == 4 and before[0] == 1 and tuple(before[1:]) == tuple(after):
+            node.replace_input_with(value, source)
+            if not value.users:
+                graph.erase_node(value)
+
+
+def _slice_write_parts(node: torch.fx.Node):
+    """(cache, value, start, end) of ``slice_scatter(cache, copy(cache[:, :, start:end], value), 2,
+    start, end)`` (what ``cache[:, :, start:end] = value`` functionalizes to), else None."""
+    cache, src, *rest = node.args
+    dim, start, end, step = (list(rest) + [0, None, None, 1][len(rest):])[:4]
+    if dim != 2 or step != 1 or start is None or end is None:
+        return None
+    if not (isinstance(src, torch.fx.Node) and src.target is aten.copy.default and len(src.users) == 1):
+        return None
+    rows, value = src.args[:2]
+    if not (isinstance(rows, torch.fx.Node) and rows.target is aten.slice.Tensor
+            and tuple(rows.args) == (cache, 2, start, end)):
+        return None
+    if not isinstance(value, torch.fx.Node) or tuple(value.meta["val"].shape) != tuple(src.meta["val"].shape):
+        return None  # a broadcasting assignment is not a row write
+    return cache, value, start, end
+
+
+def canonicalize_slice_writes(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Rewrite each slice-assigned cache write as ``index_put(cache, [None, None, arange(start,
+    end)], value)``; writes with the same bounds share one arange node (as K and V writes share
+    ``cache_position``). Returns the (original, rewritten) node pairs."""
+    rewrites = []
+    positions: dict[tuple, torch.fx.Node] = {}
+    for node in list(graph.find_nodes(op="call_function", target=aten.slice_scatter.default)):
+        parts = _slice_write_parts(node)
+        if parts is None:
+            continue
+        cache, value, start, end = parts
+        device = cache.meta["val"].device
+        key = (start, end, device)
+        with graph.inserting_before(node):
+            if key not in positions:
+                positions[key] = _insert_arange(graph, node.meta["val"], start, end)
+            write = graph.call_function(aten.index_put.default, (cache, [None, None, positions[key]], value))
+        write.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(write)
+        rewrites.append((node, write))
+    return rewrites
+
+
+def _insert_arange(graph: torch.fx.Graph, like: torch.Tensor, start, end) -> torch.fx.Node:
+    """``arange(start, end)`` as the post-grad graph spells it (``prims.iota``; aten.arange is
+    decomposed by then). start/end are ints or SymInt nodes."""
+    def value(b):
+        return b.meta["val"] if isinstance(b, torch.fx.Node) else b
+
+    length = end - start if not isinstance(start, torch.fx.Node) and not isinstance(end, torch.fx.Node) else None
+    if length is None:
+        length = graph.call_function(operator.sub, (end, start))
+        length.meta["val"] = value(end) - value(start)
+    position = graph.call_function(
+        torch.ops.prims.iota.default, (length,),
+        {"start": start, "step": 1, "dtype": torch.int64, "device": like.device, "requires_grad": False},
+    )
+    with torch._guards.detect_fake_mode([like]):
+        position.meta["val"] = torch.arange(value(start), value(end), dtype=torch.int64, device=like.device)
+    return position
+
+
+def restore_unfused_slice_writes(graph: torch.fx.Graph, rewrites) -> None:
+    """Undo ``canonicalize_slice_writes`` where no fusion consumed the write; drop the originals
+    that a fusion replaced."""
+    for original, write in rewrites:
+        if not getattr(write, "_erased", False) and write.users:  # still in the graph: not fused
+            write.replace_all_uses_with(original)
+        for node in (write, original):
+            _erase_if_dead(graph, node)
+
+
+def _erase_if_dead(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Erase ``node`` and then its producers that are left without users (view/copy chains)."""
+    pending = [node]
+    while pending:
+        node = pending.pop()
+        if getattr(node, "_erased", False) or node.op != "call_function" or node.users:
+            continue
+        inputs = [a for a in node.all_input_nodes]
+        try:
+            graph.erase_node(node)
+        except RuntimeError:
+            continue
+        pending.extend(inputs)

@@ -1,0 +1,20 @@
+"""Compile with the fusion passes and capture the post-grad graph before and after them."""
+
+from __future__ import annotations
+
+import torch
+
+import fusion_pass
+from fusion_pass.graph_text import CapturingPass
+
+
+def compile_forward(model, devices=("cpu",), families=("qk_norm_rope_cache",), **compile_kwargs):
+    """``torch.compile(model)`` with the forward fusion, returning (compiled, capture)."""
+    options = fusion_pass.options(devices=devices, families=families)
+    capture = CapturingPass(options["post_grad_custom_pre_pass"])
+    options["post_grad_custom_pre_pass"] = capture
+    return torch.compile(model, options=options, **compile_kwargs), capture
+
+
+def fused_count() -> int:
+    return fusion_pass.match_counts().get("qk_norm_rope_cache", 0)

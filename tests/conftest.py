@@ -1,0 +1,28 @@
+import os
+
+# Without a GPU, Triton kernels run in the interpreter on CPU tensors. This must be set
+# before anything imports triton (fusion_pass and torch._inductor do): triton.language's own
+# jit helpers are built in compiled mode otherwise, and the interpreter cannot call them.
+import torch  # noqa: E402  (torch does not import triton at import time)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import fusion_pass  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    """Each test compiles from scratch: no dynamo cache, no FX graph cache, empty counters.
+
+    With a warm FX graph cache the passes do not run at all and counters read 0.
+    """
+    torch._dynamo.reset()
+    fusion_pass.reset_report()
+    torch.manual_seed(0)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    fusion_pass.uninstall()
+    torch._dynamo.reset()

@@ -1,0 +1,95 @@
+"""The public API: install/uninstall/options, pass identity for the FX graph cache, report."""
+
+from __future__ import annotations
+
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import fusion_pass
+from fusion_pass.passes import FusionGraphPass
+
+HOOKS = ("post_grad_custom_pre_pass", "joint_custom_post_pass")
+
+
+class UserPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "user-pass-v1"
+
+
+def test_install_keeps_the_users_pass_and_uninstall_restores_it():
+    user = UserPass()
+    with inductor_config.patch(post_grad_custom_pre_pass=user):
+        fusion_pass.install(devices=("cpu",))
+        installed = inductor_config.post_grad_custom_pre_pass
+        assert isinstance(installed, FusionGraphPass) and installed.previous is user
+        assert isinstance(inductor_config.joint_custom_post_pass, FusionGraphPass)
+        fusion_pass.install(devices=("cpu", "cuda"))  # re-install: replaced, never stacked
+        assert inductor_config.post_grad_custom_pre_pass.previous is user
+        assert fusion_pass.installed()
+
+        torch.compile(lambda x: x * 2)(torch.randn(4))
+        assert user.calls == 1  # the user's pass still runs, after ours
+
+        fusion_pass.uninstall()
+        assert inductor_config.post_grad_custom_pre_pass is user
+        assert inductor_config.joint_custom_post_pass is None
+        assert not fusion_pass.installed()
+        fusion_pass.uninstall()  # a no-op when not installed
+
+
+def test_options_leave_the_global_hooks_alone():
+    before = [getattr(inductor_config, h) for h in HOOKS]
+    options = fusion_pass.options(devices=("cpu",))
+    assert set(options) == set(HOOKS)
+    assert all(isinstance(p, FusionGraphPass) for p in options.values())
+    assert [getattr(inductor_config, h) for h in HOOKS] == before
+
+
+def test_uuid_follows_configuration_and_users_pass():
+    cpu = fusion_pass.options(devices=("cpu",))["post_grad_custom_pre_pass"].uuid()
+    cuda = fusion_pass.options(devices=("cuda",))["post_grad_custom_pre_pass"].uuid()
+    assert cpu is not None and cpu != cuda
+    assert cpu == fusion_pass.options(devices=("cpu",))["post_grad_custom_pre_pass"].uuid()
+    with inductor_config.patch(post_grad_custom_pre_pass=UserPass()):
+        with_user = fusion_pass.options(devices=("cpu",))["post_grad_custom_pre_pass"].uuid()
+    assert with_user != cpu and "user-pass-v1" in repr(with_user)
+    # A bare callable has no identity: caching must be off, as Inductor does for it.
+    with inductor_config.patch(post_grad_custom_pre_pass=lambda graph: None):
+        assert fusion_pass.options(devices=("cpu",))["post_grad_custom_pre_pass"].uuid() is None
+
+
+def test_uuid_changes_when_a_source_file_changes(monkeypatch, tmp_path):
+    from fusion_pass import passes
+
+    first = passes._source_hash()
+    passes._source_hash.cache_clear()
+    real_read_bytes = type(tmp_path).read_bytes
+    monkeypatch.setattr(type(tmp_path), "read_bytes", lambda self: real_read_bytes(self) + b"# edited")
+    try:
+        assert passes._source_hash() != first
+    finally:
+        monkeypatch.undo()
+        passes._source_hash.cache_clear()
+    assert passes._source_hash() == first
+
+
+def test_bad_configuration_names_the_argument():
+    import pytest
+
+    with pytest.raises(ValueError, match="devices"):
+        fusion_pass.install(devices=("tpu",))
+    with pytest.raises(ValueError, match="families"):
+        fusion_pass.options(families=("nope",))
+    assert not fusion_pass.installed()
+
+
+def test_report_when_nothing_matched():
+    text = fusion_pass.report()
+    assert text.startswith("fusion_pass: 0 fusions applied")

@@ -1,0 +1,77 @@
+"""The custom op's contract: argument checks that name the argument, the cache semantics
+(positions outside the cache are skipped, never written out of bounds), eager layouts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_reference
+
+op = torch.ops.fusion_pass.qk_norm_rope_cache
+
+
+def make_args(batch=2, q_heads=4, kv_heads=2, seq=5, head_dim=16, cache_len=12, dtype=torch.bfloat16, past=3):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return dict(
+        q=r(batch, seq, q_heads, head_dim).transpose(1, 2),  # Hugging Face's transposed view
+        k=r(batch, seq, kv_heads, head_dim).transpose(1, 2),
+        v=r(batch, seq, kv_heads, head_dim).transpose(1, 2),
+        q_weight=r(head_dim), k_weight=r(head_dim),
+        cos=r(batch, seq, head_dim), sin=r(batch, seq, head_dim),
+        k_cache=r(batch, kv_heads, cache_len, head_dim), v_cache=r(batch, kv_heads, cache_len, head_dim),
+        cache_position=torch.arange(past, past + seq), q_eps=1e-6, k_eps=1e-5,
+    )
+
+
+def test_matches_reference_and_keeps_eager_layout():
+    args = make_args()
+    ref = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    q_out, k_out = op(**args)
+    q_ref, k_ref = qk_norm_rope_cache_reference(**ref)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert q_out.stride() == args["q"].stride() and k_out.stride() == args["k"].stride()
+    assert torch.equal(args["k_cache"], ref["k_cache"]) and torch.equal(args["v_cache"], ref["v_cache"])
+
+
+def test_positions_outside_the_cache_are_skipped():
+    args = make_args(seq=4, cache_len=6)
+    args["cache_position"] = torch.tensor([5, 6, -1, 0])  # 6 and -1 are outside [0, 6)
+    before_k, before_v = args["k_cache"].clone(), args["v_cache"].clone()
+    q_out, k_out = op(**args)
+    for pos, s in ((5, 0), (0, 3)):
+        assert torch.equal(args["k_cache"][:, :, pos], k_out[:, :, s])
+        assert torch.equal(args["v_cache"][:, :, pos], args["v"][:, :, s])
+    untouched = [1, 2, 3, 4]
+    assert torch.equal(args["k_cache"][:, :, untouched], before_k[:, :, untouched])
+    assert torch.equal(args["v_cache"][:, :, untouched], before_v[:, :, untouched])
+
+
+@pytest.mark.parametrize(
+    "change,name,expected",
+    [
+        (lambda a: a.update(k=a["k"].float()), "k", "dtype"),
+        (lambda a: a.update(q=a["q"].to(torch.int32)), "q", "dtype"),
+        (lambda a: a.update(k_weight=a["k_weight"][:8]), "k_weight", "shape [16]"),
+        (lambda a: a.update(k=a["k"][..., :8], v=a["v"][..., :8]), "k", "D=16"),
+        (lambda a: a.update(k_cache=a["k_cache"][:, :, :3]), "k_cache", "too short"),
+        (lambda a: a.update(v_cache=a["v_cache"].to(torch.float16)), "v_cache", "dtype"),
+        (lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3)), "q", "contiguous last dim"),
+        (lambda a: a.update(cos=a["cos"][:, :3]), "cos", "shape"),
+        (lambda a: a.update(cache_position=a["cache_position"].float()), "cache_position", "dtype"),
+        (lambda a: a.update(k=torch.randn(2, 3, 5, 16).to(torch.bfloat16), v=torch.randn(2, 3, 5, 16).to(torch.bfloat16)), "k", "GQA"),
+    ],
+)
+def test_bad_calls_name_the_argument_and_write_nothing(change, name, expected):
+    args = make_args()
+    change(args)
+    caches = (args["k_cache"].clone(), args["v_cache"].clone())
+    with pytest.raises(ValueError, match=rf"{name}: expected .*{re.escape(expected)}"):
+        op(**args)
+    assert torch.equal(args["k_cache"], caches[0]) and torch.equal(args["v_cache"], caches[1])

@@ -1,0 +1,357 @@
+"""Backward kernels of QKV projection -> RoPE -> per-head RMSNorm, against torch.autograd.
+
+CPU: the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set below before triton is
+imported) on small shapes with few programs. The oracle is autograd on a plain-PyTorch forward,
+in float64 (numerical truth) and in the model dtype (the eager graph a training user runs; our
+kernel mirrors its roundings). GPU tests (skipped without CUDA) run the 16 cases of WORKLOADS.md B.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from fusion_pass.kernels import qkv_rope_qk_norm_backward_triton as kb  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward being differentiated (Hugging Face HunYuanDenseV1 order: RoPE, then per-head norm)
+# ---------------------------------------------------------------------------------------------
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rms_norm(x, w, eps=EPS):
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for the float64 oracle
+    x32 = x.to(acc)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * (x32 * rstd).to(x.dtype)
+
+
+def forward_from_qkv(qkv, cos, sin, wq, wk, hq, hkv, d):
+    """qkv [B, S, (hq+2hkv)*d] -> (query, key, value) [B, H, S, d], the module's attention inputs."""
+    B, S, _ = qkv.shape
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.view(B, S, hq, d).transpose(1, 2)
+    k = k.view(B, S, hkv, d).transpose(1, 2)
+    v = v.view(B, S, hkv, d).transpose(1, 2)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    return rms_norm(q, wq), rms_norm(k, wk), v
+
+
+def saved_for_backward(qkv, cos, sin, hq, hkv, d):
+    """What the forward op saves: pre-RoPE q/k views of qkv, fp32 rstd [B, H, S]."""
+    B, S, _ = qkv.shape
+    q = qkv[..., : hq * d].view(B, S, hq, d)
+    k = qkv[..., hq * d: (hq + hkv) * d].view(B, S, hkv, d)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rstd(x):  # x [B, S, H, D] -> [B, H, S]
+        xt = x.transpose(1, 2)
+        xr = xt * c + rotate_half(xt) * s
+        return torch.rsqrt(xr.float().pow(2).mean(-1) + EPS)
+
+    return q, k, rstd(q), rstd(k)
+
+
+def autograd_grads(qkv, cos, sin, wq, wk, gq, gk, gv, hq, hkv, d, dtype=None):
+    """grads of (qkv, cos, sin, wq, wk) by autograd, computed in ``dtype`` (default: inputs')."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in (qkv, cos, sin, wq, wk)]
+    outs = forward_from_qkv(*leaves, hq, hkv, d)
+    torch.autograd.backward(outs, [g.to(leaves[0].dtype) for g in (gq, gk, gv)])
+    return [t.grad for t in leaves]
+
+
+def make_case(B, S, hq, hkv, d, bc, dtype, seed=0, real_rope=False, strided_grads=True):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
+
+    qkv = rnd(B, S, (hq + 2 * hkv) * d)
+    if real_rope:
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        ang = torch.arange(S).float()[:, None] * inv
+        emb = torch.cat((ang, ang), -1)[None].expand(bc, S, d)
+        cos, sin = emb.cos().to(dtype).to(DEV), emb.sin().to(dtype).to(DEV)
+    else:  # arbitrary tables: the grads must be exact for any cos/sin
+        cos, sin = rnd(bc, S, d), rnd(bc, S, d)
+    wq, wk = (1 + rnd(d, scale=0.2)), (1 + rnd(d, scale=0.2))
+    if strided_grads:  # [B, S, H, D] storage seen as [B, H, S, D], like a transposed attention grad
+        gq = rnd(B, S, hq, d).transpose(1, 2)
+        gk = rnd(B, S, hkv, d).transpose(1, 2)
+        gv = rnd(B, S, hkv, d).transpose(1, 2)
+    else:
+        gq, gk, gv = rnd(B, hq, S, d), rnd(B, hkv, S, d), rnd(B, hkv, S, d)
+    return qkv, cos, sin, wq, wk, gq, gk, gv
+
+
+def run_kernel(qkv, cos, sin, wq, wk, gq, gk, gv, hq, hkv, d, need_w=True, need_cs=True,
+               num_programs=None, rstd_override=None):
+    B, S, N = qkv.shape
+    q, k, rq, rk = saved_for_backward(qkv, cos, sin, hq, hkv, d)
+    if rstd_override is not None:
+        rq, rk = rstd_override(rq), rstd_override(rk)
+    grad_qkv = torch.full((B * S, N), float("nan"), device=qkv.device, dtype=qkv.dtype)
+    outs = kb.qk_norm_rope_backward_triton(
+        gq, gk, gv, q, k, rq, rk, cos, sin, wq, wk,
+        grad_qkv[:, : hq * d], grad_qkv[:, hq * d: (hq + hkv) * d], grad_qkv[:, (hq + hkv) * d:],
+        need_weight_grad=need_w, need_cos_sin_grad=need_cs, num_programs=num_programs,
+    )
+    return grad_qkv.view(B, S, N), *outs
+
+
+def rel_err(a, ref):
+    """max |a - ref| / max |ref| (norm-wise relative error)."""
+    a, ref = a.double(), ref.double()
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def bf16_ulp(x):
+    """One bf16 ulp at |x| (in fp32)."""
+    e = torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -126)))
+    return torch.exp2(e - 7)
+
+
+TOL_VS_F64 = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+ONE_ULP_REL = {torch.float32: 1e-6, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+NAMES = ("grad_qkv", "grad_cos", "grad_sin", "grad_q_weight", "grad_k_weight")
+
+
+def check_case(B, S, hq, hkv, d, bc, dtype, need_w=True, need_cs=True, seed=0, real_rope=False,
+               num_programs=None, strided_grads=True):
+    case = make_case(B, S, hq, hkv, d, bc, dtype, seed=seed, real_rope=real_rope, strided_grads=strided_grads)
+    qkv, cos, sin, wq, wk, gq, gk, gv = case
+    grad_qkv, gqw, gkw, gcos, gsin = run_kernel(*case, hq, hkv, d, need_w, need_cs, num_programs)
+    assert not torch.isnan(grad_qkv).any(), "grad_qkv not fully written"
+    ref64 = autograd_grads(*case, hq, hkv, d, dtype=torch.float64)
+    ref_dt = autograd_grads(*case, hq, hkv, d)
+    ours = {"grad_qkv": grad_qkv, "grad_cos": gcos, "grad_sin": gsin, "grad_q_weight": gqw, "grad_k_weight": gkw}
+    order = {"grad_qkv": 0, "grad_cos": 1, "grad_sin": 2, "grad_q_weight": 3, "grad_k_weight": 4}
+    errs = {}
+    for name in NAMES:
+        val = ours[name]
+        if (name in ("grad_cos", "grad_sin") and not need_cs) or (name.endswith("weight") and not need_w):
+            assert val is None
+            continue
+        assert val.dtype == dtype and val.shape == ref64[order[name]].shape, name
+        errs[name] = rel_err(val, ref64[order[name]])
+        assert errs[name] <= TOL_VS_F64[dtype], (name, errs[name])
+        # Against the same-dtype eager autograd: never worse than what a user's eager run produces,
+        # up to the final roundings of the sums (eager rounds the q and k parts of grad_cos/sin and
+        # the weight grads separately, we round one fp32 total: <= 2 output ulps apart).
+        eager_err = rel_err(ref_dt[order[name]], ref64[order[name]])
+        assert errs[name] <= eager_err + 2 * ONE_ULP_REL[dtype], (name, errs[name], eager_err)
+    # grad_qkv mirrors eager's roundings: within 1 ulp of the eager grad everywhere, and bit-equal
+    # almost everywhere (only the fp32 summation order of sum(gn * x) differs from autograd's).
+    if dtype != torch.float32:
+        diff = (grad_qkv.float() - ref_dt[0].float()).abs()
+        ulp = bf16_ulp(ref_dt[0]) if dtype == torch.bfloat16 else bf16_ulp(ref_dt[0]) / 8
+        assert (diff <= ulp).all(), f"max diff {(diff / ulp).max().item():.2f} ulp"
+        assert (diff == 0).float().mean().item() >= 0.99
+    return errs
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise pass (interpreter on CPU)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "B,S,hq,hkv,d,bc,dtype",
+    [
+        (1, 5, 4, 2, 64, 1, torch.float32),  # B = 1
+        (2, 7, 4, 1, 64, 2, torch.float32),  # Bc = B, GQA 4:1
+        (3, 5, 4, 2, 64, 1, torch.float32),  # Bc = 1 < B: grad_cos summed over batch
+        (2, 5, 8, 2, 128, 2, torch.bfloat16),
+        (2, 7, 3, 3, 64, 1, torch.bfloat16),  # MHA with a non-power-of-two head count
+        (1, 7, 4, 2, 128, 1, torch.float16),
+    ],
+)
+def test_elementwise_matches_autograd(B, S, hq, hkv, d, bc, dtype):
+    check_case(B, S, hq, hkv, d, bc, dtype)
+
+
+@pytest.mark.parametrize("need_w,need_cs", [(False, True), (True, False), (False, False)])
+def test_elementwise_optional_grads(need_w, need_cs):
+    check_case(2, 5, 4, 2, 64, 1, torch.bfloat16, need_w=need_w, need_cs=need_cs)
+
+
+def test_elementwise_real_rope_contiguous_grads_one_program():
+    # one program walking all tokens; real rotary tables; contiguous [B, H, S, D] grads
+    check_case(2, 5, 4, 2, 64, 2, torch.bfloat16, real_rope=True, num_programs=1, strided_grads=False)
+
+
+def test_elementwise_program_count_does_not_change_bits():
+    case = make_case(2, 7, 4, 2, 64, 1, torch.bfloat16, seed=3)
+    a = run_kernel(*case, 4, 2, 64, num_programs=1)
+    b = run_kernel(*case, 4, 2, 64, num_programs=5)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
+    # weight grads: different partitions sum in a different order; stays within 1 ulp
+    assert (a[1].float() - b[1].float()).abs().le(bf16_ulp(a[1])).all()
+
+
+def test_elementwise_accepts_workload_rstd_layout():
+    """WORKLOADS.md B passes rstd as bf16 [B, H, S, 1]: upcast; error bounded by rstd's rounding."""
+    case = make_case(2, 5, 4, 2, 64, 2, torch.bfloat16, seed=1)
+    out = run_kernel(*case, 4, 2, 64, rstd_override=lambda r: r.to(torch.bfloat16).unsqueeze(-1))
+    ref64 = autograd_grads(*case, 4, 2, 64, dtype=torch.float64)
+    grad_qkv, gqw, gkw, gcos, gsin = out
+    for val, ref in zip((grad_qkv, gcos, gsin, gqw, gkw), ref64):
+        assert rel_err(val, ref) < 4e-2
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    B=st.integers(1, 3), S=st.integers(1, 6), hkv=st.integers(1, 2), group=st.integers(1, 3),
+    bc_is_b=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99),
+)
+def test_elementwise_random_shapes(B, S, hkv, group, bc_is_b, dtype, seed):
+    check_case(B, S, hkv * group, hkv, 64, B if bc_is_b else 1, dtype, seed=seed)
+
+
+def test_elementwise_rejects_mixed_dtypes():
+    qkv, cos, sin, wq, wk, gq, gk, gv = make_case(1, 3, 2, 1, 64, 1, torch.bfloat16)
+    q, k = qkv[..., :128].view(1, 3, 2, 64), qkv[..., 128:192].view(1, 3, 1, 64)
+    assert kb.elementwise_supported(gq, gk, gv, q, k, cos, sin, wq, wk)
+    assert not kb.elementwise_supported(gq, gk, gv, q, k, cos.float(), sin.float(), wq, wk)
+    with pytest.raises(ValueError, match="cos"):
+        run_kernel(qkv, cos.float(), sin.float(), wq, wk, gq, gk, gv, 2, 1, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMMs (fused W-streaming Triton kernel vs torch.mm)
+# ---------------------------------------------------------------------------------------------
+def gemm_inputs(M, N, K, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(M, N, generator=gen).to(dtype).to(DEV)
+    h = torch.randn(M, K, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(N, K, generator=gen) * 0.05).to(dtype).to(DEV)
+    return g, h, w
+
+
+GEMM_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize(
+    "M,N,K,dtype",
+    [
+        (20, 96, 80, torch.float32),  # split-N workspace path (2 splits), partial n- and k-tiles
+        (37, 160, 300, torch.float32),  # 3 k-tiles -> one split: grad_hidden written directly
+        (5, 64, 64, torch.bfloat16),
+        (130, 96, 72, torch.bfloat16),  # BLOCK_M = 256
+    ],
+)
+def test_fused_gemm_matches_mm(M, N, K, dtype):
+    g, h, w = gemm_inputs(M, N, K, dtype)
+    gh, gw, gb = kb.qkv_projection_backward(g, h, w, need_bias_grad=True, strategy="fused")
+    ref_gh = g.double() @ w.double()
+    ref_gw = g.double().t() @ h.double()
+    ref_gb = g.double().sum(0)
+    for val, ref in ((gh, ref_gh), (gw, ref_gw), (gb, ref_gb)):
+        assert val.dtype == dtype
+        assert rel_err(val, ref) <= GEMM_TOL[dtype], rel_err(val, ref)
+    # torch path gives the same within rounding
+    th, tw, tb = kb.qkv_projection_backward(g, h, w, need_bias_grad=True, strategy="torch")
+    assert rel_err(gh, th) <= 2 * GEMM_TOL[dtype] and rel_err(gw, tw) <= 2 * GEMM_TOL[dtype]
+
+
+def test_fused_gemm_deterministic_and_flags():
+    g, h, w = gemm_inputs(20, 96, 80, torch.float32, seed=2)
+    a = kb.qkv_projection_backward(g, h, w, strategy="fused")
+    b = kb.qkv_projection_backward(g, h, w, strategy="fused")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] is None
+    gh, gw, _ = kb.qkv_projection_backward(g, h, w, need_weight_grad=False, strategy="fused")
+    assert gw is None and torch.equal(gh, a[0])
+    gh, gw, _ = kb.qkv_projection_backward(g, h, w, need_hidden_grad=False, strategy="fused")
+    assert gh is None and torch.equal(gw, a[1])
+    gh, gw, _ = kb.qkv_projection_backward(g, h, w, strategy="triton_gh")
+    assert torch.equal(gh, a[0]) and rel_err(gw, a[1]) < 1e-6
+
+
+def test_fused_gemm_strided_grad_view():
+    """grad_q_proj as a column slice of the one [M, qkv_size] buffer (row stride qkv_size)."""
+    g, h, w = gemm_inputs(24, 160, 64, torch.float32, seed=4)
+    gv = g[:, 32:128]
+    gh, gw, _ = kb.qkv_projection_backward(gv, h, w[32:128], strategy="fused")
+    assert rel_err(gh, gv.double() @ w[32:128].double()) < 2e-6
+    assert rel_err(gw, gv.double().t() @ h.double()) < 2e-6
+
+
+@pytest.mark.parametrize("strategy", ["fused", "torch"])
+def test_separate_projections(strategy):
+    gen = torch.Generator().manual_seed(5)
+    M, K = 12, 64
+    h = torch.randn(M, K, generator=gen).to(DEV)
+    ws = [torch.randn(n, K, generator=gen).to(DEV) * 0.1 for n in (128, 64, 64)]
+    gs = [torch.randn(M, n, generator=gen).to(DEV) for n in (128, 64, 64)]
+    gh, gws, gbs = kb.separate_projections_backward(gs, h, ws, need_bias_grad=True, strategy=strategy)
+    ref = sum(g.double() @ w.double() for g, w in zip(gs, ws))
+    assert rel_err(gh, ref) < 2e-6
+    for g, gw, gb in zip(gs, gws, gbs):
+        assert rel_err(gw, g.double().t() @ h.double()) < 2e-6
+        assert rel_err(gb, g.double().sum(0)) < 2e-6
+
+
+def test_auto_strategy_routes_by_m():
+    g, h, w = gemm_inputs(8, 64, 64, torch.float32)
+    assert kb.fused_gemm_applicable(g, h, w)
+    big = torch.empty(300, 64, device=DEV)
+    assert not kb.fused_gemm_applicable(big, big, torch.empty(64, 64, device=DEV))
+    assert not kb.fused_gemm_applicable(g.double(), h.double(), w.double())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the 16 cases of WORKLOADS.md B, whole backward (elementwise pass + GEMMs) vs float64
+# ---------------------------------------------------------------------------------------------
+WORKLOAD_B_CASES = [(128, 1), (128, 4), (128, 16), (128, 32), (128, 64), (131, 1), (256, 1), (256, 8),
+                    (256, 16), (256, 32), (293, 2), (512, 1), (541, 4), (1024, 2), (1571, 1), (2048, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("S,B", WORKLOAD_B_CASES)
+def test_gpu_workload_b_whole_backward(S, B):
+    hq, hkv, d, hidden_size = 32, 8, 128, 4096
+    gen = torch.Generator(device="cuda").manual_seed(S * 100 + B)
+    dt = torch.bfloat16
+    hidden = torch.randn(B, S, hidden_size, device="cuda", generator=gen).to(dt)
+    W = (torch.randn((hq + 2 * hkv) * d, hidden_size, device="cuda", generator=gen) * 0.02).to(dt)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    ang = torch.arange(S, device="cuda").float()[:, None] * inv
+    emb = torch.cat((ang, ang), -1)[None].expand(B, S, d)
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    wq = (1 + 0.2 * torch.randn(d, device="cuda", generator=gen)).to(dt)
+    wk = (1 + 0.2 * torch.randn(d, device="cuda", generator=gen)).to(dt)
+    gq = torch.randn(B, hq, S, d, device="cuda", generator=gen).to(dt)
+    gk = torch.randn(B, hkv, S, d, device="cuda", generator=gen).to(dt)
+    gv = torch.randn(B, hkv, S, d, device="cuda", generator=gen).to(dt)
+
+    qkv = (hidden.view(B * S, -1) @ W.t()).view(B, S, -1)
+    q, k, rq, rk = saved_for_backward(qkv, cos, sin, hq, hkv, d)
+    got = kb.full_backward_triton(gq, gk, gv, q, k, rq, rk, cos, sin, wq, wk, hidden.view(B * S, -1), W)
+
+    leaves = [t.double().requires_grad_(True) for t in (hidden, W, cos, sin, wq, wk)]
+    qkv64 = (leaves[0].view(B * S, -1) @ leaves[1].t()).view(B, S, -1)
+    outs = forward_from_qkv(qkv64, *leaves[2:], hq, hkv, d)
+    torch.autograd.backward(outs, [g.double() for g in (gq, gk, gv)])
+    names = ("grad_hidden", "grad_W", "grad_cos", "grad_sin", "grad_q_weight", "grad_k_weight")
+    refs = [leaves[0].grad.view(B * S, -1), leaves[1].grad, leaves[2].grad, leaves[3].grad,
+            leaves[4].grad, leaves[5].grad]
+    vals = [got["grad_hidden"], got["grad_weight"], got["grad_cos"], got["grad_sin"],
+            got["grad_q_weight"], got["grad_k_weight"]]
+    errs = {n: rel_err(v, r) for n, v, r in zip(names, vals, refs)}
+    print(f"S={S} B={B} rel errs vs float64: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        assert e < 3e-2, (n, e)
