@@ -17,7 +17,7 @@ mkdir -p "$out"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$out/machine.txt"
 
 run_tests() {
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -x -rs \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -rs -s \
     tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py \
     tests/test_qk_norm_rope_cache_model.py tests/test_qk_norm_rope_cache_op.py 2>&1 | tee "$out/gpu-tests.log" | tail -30
 }
@@ -25,6 +25,8 @@ case "$stage" in
   tests) run_tests ;;
   forward) timeout 540 python3 benchmarks/bench_forward.py --out "$out" 2>&1 | tee "$out/forward.log" | tail -40 ;;
   backward) timeout 540 python3 benchmarks/bench_backward.py --out "$out" 2>&1 | tee "$out/backward.log" | tail -40 ;;
+  backward+tests) timeout 400 python3 benchmarks/bench_backward.py --out "$out" 2>&1 | tee "$out/backward.log" | tail -30
+       run_tests ;;
   all) timeout 380 python3 benchmarks/bench_forward.py --out "$out" --no-sweep 2>&1 | tee "$out/forward.log" | tail -25
        run_tests ;;
 esac
