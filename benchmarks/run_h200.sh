@@ -27,6 +27,15 @@ case "$stage" in
   backward) timeout 540 python3 benchmarks/bench_backward.py --out "$out" 2>&1 | tee "$out/backward.log" | tail -40 ;;
   backward+tests) timeout 400 python3 benchmarks/bench_backward.py --out "$out" 2>&1 | tee "$out/backward.log" | tail -30
        run_tests ;;
+  forward+tests) timeout 330 python3 benchmarks/bench_forward.py --out "$out" 2>&1 | tee "$out/forward.log" | tail -30
+       timeout 60 python3 benchmarks/diagnose_forward_rounding.py 2>&1 | tee "$out/rounding.log"
+       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rs -s \
+         tests/test_qk_norm_rope_cache_kernel.py tests/test_qk_norm_rope_cache_model.py 2>&1 | tee "$out/gpu-tests.log" | tail -25 ;;
+  final) timeout 190 python3 benchmarks/bench_forward.py --out "$out" --no-sweep 2>&1 | tee "$out/forward.log" | tail -8
+       timeout 200 python3 benchmarks/bench_backward.py --out "$out" --compile-budget-s 80 2>&1 | tee "$out/backward.log" | tail -22
+       timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
+         tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py \
+         tests/test_qk_norm_rope_cache_model.py 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
   all) timeout 380 python3 benchmarks/bench_forward.py --out "$out" --no-sweep 2>&1 | tee "$out/forward.log" | tail -25
        run_tests ;;
 esac

@@ -42,8 +42,7 @@ pytestmark = needs_kernel
 # Interpreter: exact emulation of the reference's rounding (0 bf16 ulps measured). GPU: Triton
 # sums the squares in another order than torch's mean, so the fp32 statistic can differ in its
 # last bit; where a normalized value sits on a bf16 rounding tie that flips it by one ulp, and
-# the weight and RoPE products carry that on: 2.5 RoPE-term ulps measured on the H200 at
-# (S=293..4096) Qwen3 shapes, on a small fraction of elements (checked below).
+# the weight and RoPE products carry that on, on a tiny fraction of elements (checked below).
 MAX_ULPS = {torch.bfloat16: 3.0 if CUDA else 1.0, torch.float16: 3.0 if CUDA else 2.0, torch.float32: 8.0}
 EPS_Q, EPS_K = 1e-6, 1e-5
 
@@ -372,7 +371,9 @@ def test_gpu_model_shapes_bf16_within_three_ulps_and_mostly_exact(seq, batch):
     )[0]
     differing = (q_out != q_ref).float().mean().item()
     print(f"S={seq} B={batch}: {differing:.2e} of q elements differ from the reference")
-    assert differing < 1e-2
+    # v1 (roundings folded into bf16 FMAs by the compiler) differed on ~12 %; a flipped tie
+    # of the fp32 statistic touches ~3e-6 of the normalized values.
+    assert differing < 1e-3
 
 
 @needs_cuda
