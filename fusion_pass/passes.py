@@ -17,8 +17,10 @@ import pathlib
 from typing import Any, Callable
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import PatternMatcherPass, stable_topological_sort
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from . import config as fusion_config
 from . import match_report
@@ -46,9 +48,18 @@ def _source_hash() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _family_pass(family: str) -> PatternMatcherPass:
-    """The family's patterns, traced and registered once per process."""
+    """The family's patterns, traced and registered once per process.
+
+    Registration happens lazily, from inside the first compile that needs it. Like Inductor's
+    own ``init_once_fakemode``, trace outside that compile's tracing context (its ShapeEnv must
+    not collect the patterns' symbols), under a fresh FakeTensorMode, with inference mode off
+    (training patterns trace a backward) and without counting the traces as compile activity.
+    """
     pass_dict = PatternMatcherPass(pass_name=f"fusion_pass_{family}")
-    pattern_module(family).register(pass_dict)
+    saved_counters = counters["inductor"].copy()
+    with torch._guards.tracing(None), unset_fake_temporarily(), FakeTensorMode(), torch.inference_mode(False):
+        pattern_module(family).register(pass_dict)
+    counters["inductor"] = saved_counters
     return pass_dict
 
 

@@ -1,0 +1,483 @@
+"""``torch.ops.fusion_pass.qkv_rope_qk_norm`` and its backward: QKV projection -> RoPE -> per-head RMSNorm.
+
+unfused (Hugging Face ``HunYuanDenseV1Attention``; HunyuanImage-3 style with one fused weight)::
+
+    qkv = qkv_proj(hidden)                                   # or q_proj / k_proj / v_proj
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)  # -> view heads -> transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)              # rotate_half RoPE, BEFORE the norm
+    q = query_layernorm(q); k = key_layernorm(k)             # per-head RMSNorm
+
+fused::
+
+    q, k, v, q_rstd, k_rstd, saved = torch.ops.fusion_pass.qkv_rope_qk_norm(
+        hidden, [qkv_weight], [], q_norm_weight, k_norm_weight, cos, sin, Hq, Hkv, eps, eps)
+
+The forward op is differentiable (``register_autograd``); its backward is one call of
+``torch.ops.fusion_pass.qkv_rope_qk_norm_backward``, which computes the elementwise pass (norm
+and RoPE gradients, written straight into the [B*S, qkv_size] gradient of the projection output,
+no transpose or cat), the norm-weight and cos/sin gradients, then the two projection GEMMs.
+
+What the forward saves, and why: the *pre-RoPE* projection outputs q and k (views of the
+projection output the GEMM wrote anyway: no extra write in the forward; for a fused weight the
+whole [B, S, qkv_size] output is kept, its v columns included), the fp32 ``rstd`` per row
+([B, H, S]: D times smaller than a row), cos, sin, the norm weights, hidden and the projection
+weights. The backward recomputes ``x = rope(q)`` with the forward's roundings (a multiply-add per
+element, in registers) rather than reading a saved ``x`` (``query_pre_norm``): the rotation is
+then exactly the forward's, so grad_cos = sum(grad_x * q) and grad_sin = sum(grad_x *
+rotate_half(q)) are exact for arbitrary tables. Saving x instead would need q recovered by an
+inverse rotation, exact only when cos^2 + sin^2 == 1 (the published SOL-ExecBench reference even
+applies a second forward rotation there, so its grad_cos / grad_sin differ from autograd's), and
+would cost one more [B, S, H, D] tensor per q and k in memory.
+
+On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the backward runs the Triton kernels of
+``qkv_rope_qk_norm_backward_triton`` when that module is importable; elsewhere, and until it lands,
+the PyTorch reference (``qkv_rope_qk_norm_reference``), which has the same function signatures.
+The forward runs the PyTorch reference on every device (one GEMM, or three, plus eager
+elementwise ops; a fused Triton forward is future work). For a fused weight its v output is a
+copy of the v columns (outputs of a custom op may not alias each other or the saved output).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .qkv_rope_qk_norm_reference import (
+    qk_norm_rope_backward_reference,
+    qkv_projection_backward_reference,
+    qkv_rope_qk_norm_forward_reference,
+    separate_projections_backward_reference,
+)
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fail(op: str, name: str, expected: str, got: object) -> None:
+    raise ValueError(f"fusion_pass.{op}: {name}: expected {expected}, got {got}")
+
+
+def check_qkv_rope_qk_norm_args(
+    hidden: Tensor,
+    proj_weights: list[Tensor],
+    proj_biases: list[Tensor],
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """Raise ``ValueError`` naming the first argument of the forward op that breaks its contract."""
+
+    def fail(name: str, expected: str, got: object) -> None:
+        _fail("qkv_rope_qk_norm", name, expected, got)
+
+    if hidden.dim() != 3:
+        fail("hidden", "a 3-D tensor [B, S, K]", f"shape {tuple(hidden.shape)}")
+    batch, seq, hidden_size = hidden.shape
+    dtype = hidden.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        fail("hidden", f"dtype in {SUPPORTED_DTYPES}", dtype)
+    if q_norm_weight.dim() != 1:
+        fail("q_norm_weight", "a 1-D tensor [D] (head_dim)", f"shape {tuple(q_norm_weight.shape)}")
+    head_dim = q_norm_weight.shape[0]
+    if head_dim % 2:
+        fail("q_norm_weight", "an even head_dim (RoPE rotates halves)", head_dim)
+    if tuple(k_norm_weight.shape) != (head_dim,):
+        fail("k_norm_weight", f"shape [{head_dim}] (head_dim)", f"shape {tuple(k_norm_weight.shape)}")
+    if num_q_heads <= 0:
+        fail("num_q_heads", "a positive head count", num_q_heads)
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        fail("num_kv_heads", f"a positive head count dividing num_q_heads={num_q_heads} (GQA)", num_kv_heads)
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    if len(proj_weights) == 1:
+        expected_shapes = [(q_size + 2 * kv_size, hidden_size)]
+    elif len(proj_weights) == 3:
+        expected_shapes = [(q_size, hidden_size), (kv_size, hidden_size), (kv_size, hidden_size)]
+    else:
+        fail("proj_weights", "1 fused QKV weight or 3 weights (q, k, v)", f"{len(proj_weights)} tensors")
+    for i, (w, shape) in enumerate(zip(proj_weights, expected_shapes)):
+        if tuple(w.shape) != shape:
+            fail(f"proj_weights[{i}]", f"shape {list(shape)} (Hq={num_q_heads}, Hkv={num_kv_heads}, "
+                 f"D={head_dim}, K={hidden_size})", f"shape {tuple(w.shape)}")
+    if proj_biases and len(proj_biases) != len(proj_weights):
+        fail("proj_biases", f"none or {len(proj_weights)} (one per weight)", f"{len(proj_biases)} tensors")
+    for i, (b, shape) in enumerate(zip(proj_biases, expected_shapes)):
+        if tuple(b.shape) != shape[:1]:
+            fail(f"proj_biases[{i}]", f"shape [{shape[0]}]", f"shape {tuple(b.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != head_dim:
+            fail(name, f"shape [1 or B={batch}, S={seq}, D={head_dim}]", f"shape {tuple(t.shape)}")
+    if tuple(sin.shape) != tuple(cos.shape):
+        fail("sin", f"cos's shape {tuple(cos.shape)}", f"shape {tuple(sin.shape)}")
+    named = [("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight), ("cos", cos), ("sin", sin)]
+    named += [(f"proj_weights[{i}]", w) for i, w in enumerate(proj_weights)]
+    named += [(f"proj_biases[{i}]", b) for i, b in enumerate(proj_biases)]
+    for name, t in named:
+        if t.dtype != dtype:
+            fail(name, f"hidden's dtype {dtype}", t.dtype)
+        if t.device != hidden.device:
+            fail(name, f"hidden's device {hidden.device}", t.device)
+
+
+def _proj_views(saved_proj: list[Tensor], batch, seq, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """The pre-RoPE q [B, S, Hq, D] and k [B, S, Hkv, D] as views of the saved projection output(s)."""
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    if len(saved_proj) == 1:
+        qkv = saved_proj[0]
+        q = qkv[..., :q_size]
+        k = qkv[..., q_size : q_size + kv_size]
+    else:
+        q, k = saved_proj
+    return q.view(batch, seq, num_q_heads, head_dim), k.view(batch, seq, num_kv_heads, head_dim)
+
+
+def _heads_view(proj: Tensor, batch, seq, heads: int, head_dim: int) -> Tensor:
+    """[B, S, H * D] (any row stride) -> the model's [B, H, S, D] transposed view."""
+    return proj.view(batch, seq, heads, head_dim).transpose(1, 2)
+
+
+@torch.library.custom_op("fusion_pass::qkv_rope_qk_norm", mutates_args=())
+def qkv_rope_qk_norm(
+    hidden: Tensor,
+    proj_weights: list[Tensor],
+    proj_biases: list[Tensor],
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_eps: float,
+    k_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+    """QKV projection(s), split into heads, rotate_half RoPE, then per-head RMSNorm of q and k.
+
+    Args:
+        hidden: [B, S, K] projection input.
+        proj_weights: ``[qkv_weight]`` ([Hq*D + 2*Hkv*D, K], rows ordered q, k, v) or
+            ``[q_weight, k_weight, v_weight]`` ([Hq*D | Hkv*D | Hkv*D, K]).
+        proj_biases: ``[]`` or one bias per weight.
+        q_norm_weight, k_norm_weight: [D] RMSNorm weights.
+        cos, sin: [Bc, S, D] rotary tables, Bc = 1 or B (as the rotary module returns them).
+        num_q_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv).
+        q_eps, k_eps: the two norms' epsilons.
+
+    Every tensor has hidden's dtype (bf16, fp16 or fp32) and device.
+
+    Returns:
+        ``(q [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, D], q_rstd [B, Hq, S], k_rstd [B, Hkv, S],
+        saved)``: q, k, v with the eager model's strides ([B, S, H, D] memory order); rstd fp32;
+        ``saved`` = the projection output(s) the backward reads the pre-RoPE q and k from
+        (``[qkv]`` for a fused weight, ``[q_proj, k_proj]`` for separate weights); not
+        differentiable.
+    """
+    check_qkv_rope_qk_norm_args(
+        hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads
+    )
+    q_out, k_out, v, q_rstd, k_rstd, proj = qkv_rope_qk_norm_forward_reference(
+        hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin,
+        num_q_heads, num_kv_heads, q_eps, k_eps,
+    )
+    if len(proj) == 1:
+        saved = proj
+        # v is a view of the fused projection output that ``saved`` returns: outputs may not
+        # alias each other, so v gets its own buffer (the eager layout, [B, S, Hkv, D] order).
+        v = torch.empty_like(v).copy_(v)
+    else:
+        saved = proj[:2]  # v is a view of v_proj, which nothing else returns
+    return q_out, k_out, v, q_rstd.contiguous(), k_rstd.contiguous(), saved
+
+
+@qkv_rope_qk_norm.register_fake
+def _(hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads,
+      q_eps, k_eps):
+    check_qkv_rope_qk_norm_args(
+        hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads
+    )
+    batch, seq = hidden.shape[0], hidden.shape[1]
+    head_dim = q_norm_weight.shape[0]
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    if len(proj_weights) == 1:
+        qkv = hidden.new_empty(batch, seq, q_size + 2 * kv_size)
+        saved = [qkv]
+        q_proj, k_proj, v_proj = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    else:
+        q_proj, k_proj, v_proj = (hidden.new_empty(batch, seq, n) for n in (q_size, kv_size, kv_size))
+        saved = [q_proj, k_proj]
+    q = _heads_view(q_proj, batch, seq, num_q_heads, head_dim)
+    k = _heads_view(k_proj, batch, seq, num_kv_heads, head_dim)
+    v = _heads_view(v_proj, batch, seq, num_kv_heads, head_dim)
+    if len(proj_weights) == 1:
+        v = torch.empty_like(v)
+    rstd = functools.partial(hidden.new_empty, dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), v, rstd(batch, num_q_heads, seq),
+            rstd(batch, num_kv_heads, seq), saved)
+
+
+def check_qkv_rope_qk_norm_backward_args(
+    grad_q: Tensor,
+    grad_k: Tensor,
+    grad_v: Tensor,
+    q: Tensor,
+    k: Tensor,
+    q_rstd: Tensor,
+    k_rstd: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    hidden: Tensor,
+    proj_weights: list[Tensor],
+) -> None:
+    """Raise ``ValueError`` naming the first argument of the backward op that breaks its contract."""
+
+    def fail(name: str, expected: str, got: object) -> None:
+        _fail("qkv_rope_qk_norm_backward", name, expected, got)
+
+    if q.dim() != 4:
+        fail("q", "a 4-D tensor [B, S, Hq, D] (pre-RoPE projection view)", f"shape {tuple(q.shape)}")
+    batch, seq, q_heads, head_dim = q.shape
+    dtype = q.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        fail("q", f"dtype in {SUPPORTED_DTYPES}", dtype)
+    if head_dim % 2:
+        fail("q", "an even head_dim (RoPE rotates halves)", head_dim)
+    if k.dim() != 4 or k.shape[0] != batch or k.shape[1] != seq or k.shape[3] != head_dim:
+        fail("k", f"shape [B={batch}, S={seq}, Hkv, D={head_dim}]", f"shape {tuple(k.shape)}")
+    kv_heads = k.shape[2]
+    if kv_heads == 0 or q_heads % kv_heads:
+        fail("k", f"a head count dividing q's {q_heads} heads (GQA)", kv_heads)
+    shapes = {
+        "grad_q": (batch, q_heads, seq, head_dim),
+        "grad_k": (batch, kv_heads, seq, head_dim),
+        "grad_v": (batch, kv_heads, seq, head_dim),
+        "q_rstd": (batch, q_heads, seq),
+        "k_rstd": (batch, kv_heads, seq),
+        "q_norm_weight": (head_dim,),
+        "k_norm_weight": (head_dim,),
+    }
+    tensors = {"grad_q": grad_q, "grad_k": grad_k, "grad_v": grad_v, "q_rstd": q_rstd, "k_rstd": k_rstd,
+               "q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight}
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            fail(name, f"shape {list(shape)}", f"shape {tuple(tensors[name].shape)}")
+    for name in ("q_rstd", "k_rstd"):
+        if tensors[name].dtype != torch.float32:
+            fail(name, "dtype torch.float32", tensors[name].dtype)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != head_dim:
+            fail(name, f"shape [1 or B={batch}, S={seq}, D={head_dim}]", f"shape {tuple(t.shape)}")
+    if hidden.dim() != 3 or hidden.shape[0] != batch or hidden.shape[1] != seq:
+        fail("hidden", f"shape [B={batch}, S={seq}, K]", f"shape {tuple(hidden.shape)}")
+    hidden_size = hidden.shape[2]
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    if len(proj_weights) == 1:
+        expected_shapes = [(q_size + 2 * kv_size, hidden_size)]
+    elif len(proj_weights) == 3:
+        expected_shapes = [(q_size, hidden_size), (kv_size, hidden_size), (kv_size, hidden_size)]
+    else:
+        fail("proj_weights", "1 fused QKV weight or 3 weights (q, k, v)", f"{len(proj_weights)} tensors")
+    for i, (w, shape) in enumerate(zip(proj_weights, expected_shapes)):
+        if tuple(w.shape) != shape:
+            fail(f"proj_weights[{i}]", f"shape {list(shape)}", f"shape {tuple(w.shape)}")
+    named = [("grad_q", grad_q), ("grad_k", grad_k), ("grad_v", grad_v), ("k", k), ("cos", cos), ("sin", sin),
+             ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight), ("hidden", hidden)]
+    named += [(f"proj_weights[{i}]", w) for i, w in enumerate(proj_weights)]
+    for name, t in named:
+        if t.dtype != dtype:
+            fail(name, f"q's dtype {dtype}", t.dtype)
+    for name, t in named + [("q_rstd", q_rstd), ("k_rstd", k_rstd)]:
+        if t.device != q.device:
+            fail(name, f"q's device {q.device}", t.device)
+    for name, t in (("grad_q", grad_q), ("grad_k", grad_k), ("grad_v", grad_v), ("q", q), ("k", k)):
+        if t.numel() and t.stride(-1) != 1:
+            fail(name, "a contiguous last dim (stride(-1) == 1)", f"strides {tuple(t.stride())}")
+
+
+def _use_triton(t: Tensor) -> bool:
+    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+_REFERENCE = (qk_norm_rope_backward_reference, qkv_projection_backward_reference,
+              separate_projections_backward_reference)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_backward() -> tuple[Callable, Callable, Callable] | None:
+    """The Triton kernels' entry points, or None while ``qkv_rope_qk_norm_backward_triton`` is absent."""
+    try:
+        from .qkv_rope_qk_norm_backward_triton import (
+            qk_norm_rope_backward_triton,
+            qkv_projection_backward,
+            separate_projections_backward,
+        )
+    except ImportError:
+        return None
+    return qk_norm_rope_backward_triton, qkv_projection_backward, separate_projections_backward
+
+
+def backward_implementation(t: Tensor) -> tuple[Callable, Callable, Callable]:
+    """(elementwise backward, fused-projection backward, separate-projections backward) for
+    tensors like ``t``: the Triton kernels, or the references (same signatures)."""
+    kernels = _triton_backward() if _use_triton(t) else None
+    return kernels if kernels is not None else _REFERENCE
+
+
+@torch.library.custom_op("fusion_pass::qkv_rope_qk_norm_backward", mutates_args=())
+def qkv_rope_qk_norm_backward(
+    grad_q: Tensor,
+    grad_k: Tensor,
+    grad_v: Tensor,
+    q: Tensor,
+    k: Tensor,
+    q_rstd: Tensor,
+    k_rstd: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    hidden: Tensor,
+    proj_weights: list[Tensor],
+    has_bias: bool,
+    need_hidden_grad: bool,
+    need_proj_grads: bool,
+    need_norm_weight_grads: bool,
+    need_cos_sin_grads: bool,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """Backward of ``fusion_pass::qkv_rope_qk_norm``.
+
+    Args:
+        grad_q [B, Hq, S, D], grad_k / grad_v [B, Hkv, S, D]: gradients of the forward's q, k, v
+            (any strides with a contiguous last dim).
+        q [B, S, Hq, D], k [B, S, Hkv, D]: the pre-RoPE projections (views of the saved output).
+        q_rstd [B, Hq, S], k_rstd [B, Hkv, S]: fp32, saved by the forward.
+        cos, sin [Bc, S, D]; q_norm_weight, k_norm_weight [D]; hidden [B, S, K];
+        proj_weights: ``[qkv_weight]`` or ``[q_weight, k_weight, v_weight]``.
+        has_bias: the projections have biases (their gradients are returned).
+        need_*: which gradients to compute.
+
+    Returns:
+        Five lists, each empty when not asked for: ``[grad_hidden]``, the projection weights'
+        gradients, the biases' gradients, ``[grad_q_norm_weight, grad_k_norm_weight]`` and
+        ``[grad_cos, grad_sin]`` (summed over the heads of q and k, and over the batch when
+        Bc = 1). All deterministic (no atomics).
+    """
+    check_qkv_rope_qk_norm_backward_args(
+        grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden, proj_weights
+    )
+    batch, seq, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    tokens = batch * seq
+    elementwise_backward, projection_backward, separate_projections_backward = backward_implementation(q)
+
+    # Gradient of the projection output(s), written in place by the elementwise pass: one
+    # [M, qkv_size] buffer for a fused weight (the GEMMs read it as is), three otherwise.
+    if len(proj_weights) == 1:
+        grad_proj = [q.new_empty(tokens, q_size + 2 * kv_size)]
+        parts = grad_proj[0].split([q_size, kv_size, kv_size], dim=1)
+    else:
+        grad_proj = parts = [q.new_empty(tokens, n) for n in (q_size, kv_size, kv_size)]
+    gq_proj, gk_proj, gv_proj = (p.view(batch, seq, p.shape[1]) for p in parts)
+    grad_q_weight, grad_k_weight, grad_cos, grad_sin = elementwise_backward(
+        grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos.contiguous(), sin.contiguous(),
+        q_norm_weight, k_norm_weight, gq_proj, gk_proj, gv_proj, need_norm_weight_grads, need_cos_sin_grads,
+    )
+
+    hidden2d = hidden.reshape(tokens, hidden.shape[2])
+    need_bias_grads = has_bias and need_proj_grads
+    if len(proj_weights) == 1:
+        grad_hidden, grad_weight, grad_bias = projection_backward(
+            grad_proj[0], hidden2d, proj_weights[0], need_hidden_grad, need_proj_grads, need_bias_grads
+        )
+        grad_weights, grad_biases = [grad_weight], [grad_bias]
+    else:
+        grad_hidden, grad_weights, grad_biases = separate_projections_backward(
+            grad_proj, hidden2d, list(proj_weights), need_hidden_grad, need_proj_grads, need_bias_grads
+        )
+    return (
+        [grad_hidden.view(hidden.shape)] if need_hidden_grad else [],
+        list(grad_weights) if need_proj_grads else [],
+        list(grad_biases) if need_bias_grads else [],
+        [grad_q_weight, grad_k_weight] if need_norm_weight_grads else [],
+        [grad_cos, grad_sin] if need_cos_sin_grads else [],
+    )
+
+
+@qkv_rope_qk_norm_backward.register_fake
+def _(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden, proj_weights,
+      has_bias, need_hidden_grad, need_proj_grads, need_norm_weight_grads, need_cos_sin_grads):
+    check_qkv_rope_qk_norm_backward_args(
+        grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden, proj_weights
+    )
+    return (
+        [hidden.new_empty(hidden.shape)] if need_hidden_grad else [],
+        [torch.empty_like(w, memory_format=torch.contiguous_format) for w in proj_weights] if need_proj_grads else [],
+        [w.new_empty(w.shape[0]) for w in proj_weights] if need_proj_grads and has_bias else [],
+        [torch.empty_like(q_norm_weight), torch.empty_like(k_norm_weight)] if need_norm_weight_grads else [],
+        [cos.new_empty(cos.shape), sin.new_empty(sin.shape)] if need_cos_sin_grads else [],
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin,
+     num_q_heads, num_kv_heads, _q_eps, _k_eps) = inputs
+    _q, _k, _v, q_rstd, k_rstd, saved_proj = output
+    ctx.mark_non_differentiable(q_rstd, k_rstd, *saved_proj)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, q_norm_weight, k_norm_weight, cos, sin, q_rstd, k_rstd, *proj_weights, *saved_proj)
+    ctx.num_weights = len(proj_weights)
+    ctx.has_bias = bool(proj_biases)
+    ctx.heads = (num_q_heads, num_kv_heads)
+
+
+def _dense_last_dim(grad: Tensor | None, like: Tensor, shape) -> Tensor:
+    """An output's gradient as the backward op takes it: zeros when unused (materialize_grads is
+    off, so unused outputs arrive as None), copied when its last dim is strided."""
+    if grad is None:
+        return like.new_zeros(shape)
+    if grad.stride(-1) != 1:
+        return grad.contiguous()
+    return grad
+
+
+def _backward(ctx, grad_q, grad_k, grad_v, _grad_q_rstd, _grad_k_rstd, _grad_saved):
+    hidden, q_norm_weight, k_norm_weight, cos, sin, q_rstd, k_rstd, *rest = ctx.saved_tensors
+    proj_weights, saved_proj = rest[: ctx.num_weights], rest[ctx.num_weights :]
+    num_q_heads, num_kv_heads = ctx.heads
+    batch, seq = hidden.shape[0], hidden.shape[1]
+    head_dim = q_norm_weight.shape[0]
+    q, k = _proj_views(saved_proj, batch, seq, num_q_heads, num_kv_heads, head_dim)
+    grad_q = _dense_last_dim(grad_q, q, (batch, num_q_heads, seq, head_dim))
+    grad_k = _dense_last_dim(grad_k, k, (batch, num_kv_heads, seq, head_dim))
+    grad_v = _dense_last_dim(grad_v, k, (batch, num_kv_heads, seq, head_dim))
+    (need_hidden, need_weights, need_biases, need_q_w, need_k_w, need_cos, need_sin,
+     *_) = ctx.needs_input_grad
+    need_proj = any(need_weights) or any(need_biases)
+    need_norm = need_q_w or need_k_w
+    need_cos_sin = need_cos or need_sin
+    grad_hidden, grad_weights, grad_biases, grad_norm, grad_cos_sin = torch.ops.fusion_pass.qkv_rope_qk_norm_backward(
+        grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden,
+        list(proj_weights), ctx.has_bias, need_hidden, need_proj, need_norm, need_cos_sin,
+    )
+    return (
+        grad_hidden[0] if need_hidden else None,
+        list(grad_weights) if need_proj else [None] * ctx.num_weights,
+        list(grad_biases) if need_proj and ctx.has_bias else [None] * len(need_biases),
+        grad_norm[0] if need_q_w else None,
+        grad_norm[1] if need_k_w else None,
+        grad_cos_sin[0] if need_cos else None,
+        grad_cos_sin[1] if need_sin else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+qkv_rope_qk_norm.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,482 @@
+"""QKV projection -> RoPE -> per-head RMSNorm, forward and backward as two custom ops.
+
+Matched in the joint (forward + backward) graph, from ``joint_custom_post_pass``: only there can
+the gradient formulas change. The same search functions are also registered for inference
+(``no_grad``) graphs, which pass through the same hook.
+
+unfused, fused weight (HunyuanImage-3 style; contiguous [q | k | v] rows)::
+
+    qkv = self.qkv_proj(hidden_states)                        # nn.Linear(K, (Hq + 2 Hkv) D, bias=?)
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q = q.view(bsz, q_len, -1, D).transpose(1, 2)             # likewise k, v
+    query_states, key_states = apply_rotary_pos_emb(q, k, cos, sin)
+    query_states = self.query_layernorm(query_states)
+    key_states = self.key_layernorm(key_states)
+
+unfused, separate weights (Hugging Face ``HunYuanDenseV1Attention.forward``)::
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    query_states = self.query_layernorm(query_states)
+    key_states = self.key_layernorm(key_states)
+
+    with apply_rotary_pos_emb = (cos, sin = cos.unsqueeze(1), sin.unsqueeze(1);
+                                 q * cos + rotate_half(q) * sin; likewise k)
+    and RMSNorm(x) = weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+fused::
+
+    q, k, v, *saved = torch.ops.fusion_pass.qkv_rope_qk_norm(
+        hidden_states, [qkv_weight] or [q_w, k_w, v_w], [] or biases,
+        q_norm_weight, k_norm_weight, cos, sin, Hq, Hkv, q_eps, k_eps)
+    # training: autograd calls torch.ops.fusion_pass.qkv_rope_qk_norm_backward, which writes
+    # grad_qkv in [B*S, qkv_size] and runs both GEMMs; every mm of the region is gone.
+
+The matched region ends v at the projection output (see _V_OUTSIDE) and starts at the
+unsqueezed cos/sin. Not matched (no fusion, no wrong result): the official HunyuanImage-3.0
+layout, whose fused rows are grouped per kv head ([q * G, k, v] x Hkv, split at dim 3), norm
+before RoPE, partial rotary, autocast (casts before the GEMMs), frozen projection weights with a
+trainable input (LoRA), and ``dynamic=True`` without ``specialize_float`` (reported).
+
+Variants (one registration each; generated below from ONE search function per structure):
+structure (fused / separate) x bias (no / yes) x dtype family (fp32: no casts; bf16 and fp16:
+the norm's casts) x trace (joint / fwd_only); the joint ones also x norm weights (trainable /
+frozen) x cos and sin (constants / requiring grad): every ``requires_grad`` combination changes
+the joint graph. The ``unsqueeze(cos, 1)`` nodes are outside the pattern (the search functions
+take the unsqueezed tables): Inductor's CSE merges them across layers, so inside a pattern they
+would have users outside it. The fused split sizes and both epsilons are captured as scalars
+(``scalar_workaround``); everything the replacements compute comes from the bound values.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import itertools
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch._inductor.pattern_matcher import (
+    Match,
+    PatternMatcherPass,
+    fwd_only,
+    gen_pattern,
+    joint_fwd_bwd,
+    register_replacement,
+)
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+from fusion_pass import config as fusion_config
+from fusion_pass import match_report
+
+FAMILY = "qkv_rope_qk_norm"
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Unusual scalars that stand for the captured values while tracing (they must not collide with
+# any other constant of the traced graphs: see _EXAMPLE below).
+_EPS_WORKAROUND = {"q_eps": 1.2345e-5, "k_eps": 2.3456e-5}
+_SIZE_WORKAROUND = {"q_size": 48, "kv_size": 24}
+
+
+# ----------------------------------------------------------------------------------------------
+# Search functions: the model code, verbatim in structure (the HF modules' order of operations).
+# ----------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rotary_pos_emb(q, k, cos, sin):
+    """``apply_rotary_pos_emb`` after its ``unsqueeze(1)`` (cos/sin arrive [Bc, 1, S, D])."""
+    q_embed = (q * cos) + (_rotate_half(q) * sin)
+    k_embed = (k * cos) + (_rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def _rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``HunYuanDenseV1RMSNorm.forward``."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return weight * hidden_states.to(input_dtype)
+
+
+def _rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps):
+    query_states, key_states = _apply_rotary_pos_emb(q, k, cos, sin)
+    query_states = _rms_norm(query_states, q_norm_weight, q_eps)
+    key_states = _rms_norm(key_states, k_norm_weight, k_eps)
+    return query_states, key_states
+
+
+def _fused_qkv_search(
+    hidden, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos, sin, q_eps, k_eps, q_size, kv_size
+):
+    bsz, q_len = hidden.shape[0], hidden.shape[1]
+    head_dim = q_norm_weight.shape[0]
+    qkv = F.linear(hidden, qkv_weight, qkv_bias)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(bsz, q_len, -1, head_dim).transpose(1, 2)
+    k = k.view(bsz, q_len, -1, head_dim).transpose(1, 2)
+    # v's view and transpose stay outside: see _V_OUTSIDE.
+    return (*_rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps), v)
+
+
+def _separate_qkv_search(
+    hidden, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos, sin,
+    q_eps, k_eps,
+):
+    hidden_shape = (*hidden.shape[:-1], -1, q_norm_weight.shape[0])
+    q = F.linear(hidden, q_weight, q_bias).view(hidden_shape).transpose(1, 2)
+    k = F.linear(hidden, k_weight, k_bias).view(hidden_shape).transpose(1, 2)
+    v = F.linear(hidden, v_weight, v_bias)  # .view(hidden_shape).transpose(1, 2) stays outside
+    return (*_rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps), v)
+
+
+# _V_OUTSIDE: the patterns end v at the projection output ([B, S, Hkv * D]). Its view and
+# transpose, and their backward (permute -> clone? -> view), stay outside: whether the backward
+# needs that clone depends on the layout of the gradient arriving from the attention (contiguous
+# from eager attention or repeat_kv, [B, S, H, D]-ordered from some SDPA kernels), which a traced
+# pattern would burn in. The q and k gradients are laid out by the RoPE backward's zero-filled
+# slice_scatter, so their paths do not depend on it.
+
+
+# ----------------------------------------------------------------------------------------------
+# Replacements: same signatures; every size comes from the bound tensors and scalars.
+# ----------------------------------------------------------------------------------------------
+
+
+def _fused_op(hidden, weights, biases, q_norm_weight, k_norm_weight, cos, sin, q_heads, kv_heads, q_eps, k_eps):
+    q, k, v, *_ = torch.ops.fusion_pass.qkv_rope_qk_norm(
+        hidden, weights, biases, q_norm_weight, k_norm_weight, cos.squeeze(1), sin.squeeze(1),
+        q_heads, kv_heads, q_eps, k_eps,
+    )
+    # v [B, Hkv, S, D] ([B, S, Hkv, D] in memory) -> [B, S, Hkv * D], a view (see _V_OUTSIDE).
+    return q, k, v.transpose(1, 2).flatten(2)
+
+
+def _fused_qkv_replacement(
+    hidden, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos, sin, q_eps, k_eps, q_size, kv_size
+):
+    head_dim = q_norm_weight.shape[0]
+    return _fused_op(
+        hidden, [qkv_weight], [] if qkv_bias is None else [qkv_bias], q_norm_weight, k_norm_weight, cos, sin,
+        q_size // head_dim, kv_size // head_dim, q_eps, k_eps,
+    )
+
+
+def _separate_qkv_replacement(
+    hidden, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos, sin,
+    q_eps, k_eps,
+):
+    head_dim = q_norm_weight.shape[0]
+    biases = [] if q_bias is None else [q_bias, k_bias, v_bias]
+    return _fused_op(
+        hidden, [q_weight, k_weight, v_weight], biases, q_norm_weight, k_norm_weight, cos, sin,
+        q_weight.shape[0] // head_dim, k_weight.shape[0] // head_dim, q_eps, k_eps,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks on the real (fake-tensor) values bound by a match.
+#
+# The patterns are pre-traced (``search_fn_pattern``): the matcher does not re-trace them with the
+# real shapes, because with dynamic B or S that re-trace puts the SymInt arithmetic of the
+# linear's view (``B * S``) into the pattern, where its users never agree with the real graph
+# ("multiple_users"). Every int of the pattern is therefore a wildcard, and the checks below
+# verify what the re-trace would have: the rotation halves, the norm's reduction and exponent,
+# the casts, the head layout, the split, and the geometry of every bound tensor. The backward
+# nodes of a match are autograd's derivative of its forward nodes, so checking the forward
+# semantics (plus the dims of the backward's slices and concatenations) suffices.
+# ----------------------------------------------------------------------------------------------
+
+aten = torch.ops.aten
+
+_variant_counts: collections.Counter[str] = collections.Counter()
+
+
+def variant_counts() -> dict[str, int]:
+    """Replacements per registered variant (name -> count) since ``reset_variant_counts()``."""
+    return dict(_variant_counts)
+
+
+def reset_variant_counts() -> None:
+    _variant_counts.clear()
+
+
+def _value(match: Match, name: str) -> Any:
+    bound = match.kwargs[name]
+    return bound.meta.get("val") if isinstance(bound, torch.fx.Node) else bound
+
+
+def _near_miss(reason: str) -> bool:
+    match_report.record_near_miss(FAMILY, reason)
+    return False
+
+
+def _same(a, b) -> bool:
+    """``a == b`` for ints and SymInts, without adding guards (unknown counts as different)."""
+    return statically_known_true(sym_eq(a, b))
+
+
+def _same_shape(t: torch.Tensor, shape) -> bool:
+    return t.dim() == len(shape) and all(_same(a, b) for a, b in zip(t.shape, shape))
+
+
+def _is_last_dim(node: Any, dim: Any) -> bool:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and isinstance(dim, int) and dim in (-1, value.dim() - 1)
+
+
+def _semantics_problem(match: Match, head_dim: int, dtype: torch.dtype) -> str | None:
+    """What in the matched nodes differs from the modelled code (None: nothing)."""
+    half = head_dim // 2
+    halves = ((0, half), (half, None))  # (start, end); None: any end >= head_dim
+    for node in match.nodes:
+        target, args = node.target, node.args
+        if target in (aten.slice.Tensor, aten.slice_scatter.default):
+            x, rest = (args[0], args[1:]) if target is aten.slice.Tensor else (args[0], args[2:])
+            dim, start, end = (list(rest) + [0, None, None])[:3]
+            step = rest[3] if len(rest) > 3 else 1
+            if not _is_last_dim(x, dim) or step != 1:
+                return "a slice outside the head dim"
+            if not any(start == a and (end == b if b is not None else isinstance(end, int) and end >= head_dim)
+                       for a, b in halves):
+                return f"rotate_half split at [{start}:{end}], not at head_dim / 2 = {half}"
+        elif target is aten.cat.default:
+            if not _is_last_dim(args[0][0], args[1] if len(args) > 1 else 0):
+                return "a concatenation outside the last dim"
+        elif target is aten.split_with_sizes.default:
+            if not _is_last_dim(args[0], args[2] if len(args) > 2 else 0):
+                return "the QKV split is not over the last dim"
+        elif target is aten.mean.dim:
+            if not (len(args[1]) == 1 and _is_last_dim(args[0], args[1][0]) and args[2] is True):
+                return "the norm does not reduce over the head dim"
+        elif target is aten.pow.Tensor_Scalar:
+            of_rsqrt = isinstance(args[0], torch.fx.Node) and args[0].target is aten.rsqrt.default
+            if (of_rsqrt and args[1] != 3) or (not of_rsqrt and args[1] not in (2, 1.0)):
+                return f"pow exponent {args[1]} (the RMS is a mean of squares)"
+        elif target is aten.permute.default:
+            if list(args[1]) not in ([0, 2, 1, 3], [1, 0]):
+                return f"permute {list(args[1])} (heads are transpose(1, 2))"
+        elif target is torch.ops.prims.convert_element_type.default:
+            if args[1] not in (torch.float32, dtype):
+                return f"a cast to {args[1]}"
+    return None
+
+
+def _check(match: Match, tensor_names: tuple[str, ...], q_size: int, kv_size: int, weight_cols: list[Any]) -> bool:
+    """Checks shared by both structures (``q_size``/``kv_size``: the projection widths)."""
+    nodes = [match.kwargs[n] for n in tensor_names]
+    if len(set(nodes)) != len(nodes):
+        return False  # one graph value bound to two pattern inputs: not the modelled code
+    values = {n: _value(match, n) for n in tensor_names}
+    if any(not isinstance(v, torch.Tensor) for v in values.values()):
+        return False
+    hidden, q_w, k_w = values["hidden"], values["q_norm_weight"], values["k_norm_weight"]
+    cos, sin = values["cos"], values["sin"]
+    if not fusion_config.device_allowed(hidden.device):
+        return _near_miss(f"device type {hidden.device.type!r} is not enabled (fusion_pass.install(devices=...))")
+    if any(v.device != hidden.device for v in values.values()):
+        return _near_miss("inputs on different devices")
+    if hidden.dtype not in SUPPORTED_DTYPES:
+        return _near_miss(f"dtype {hidden.dtype} is not one of bf16, fp16, fp32")
+    if any(v.dtype != hidden.dtype for v in values.values()):
+        return _near_miss("norm weights, cos/sin or projection weights differ in dtype from the activations")
+    for name in ("q_eps", "k_eps"):
+        if not isinstance(match.kwargs[name], (int, float)):
+            return _near_miss("the norm's eps is a graph input (torch.compile(dynamic=True) lifts floats: "
+                              "set torch._dynamo.config.specialize_float = True)")
+    if hidden.dim() != 3 or q_w.dim() != 1 or tuple(k_w.shape) != tuple(q_w.shape):
+        return False
+    head_dim = q_w.shape[0]
+    if not isinstance(head_dim, int) or head_dim % 2:
+        return _near_miss(f"head_dim {head_dim} is not an even constant (RoPE rotates halves)")
+    if q_size % head_dim or kv_size % head_dim or kv_size == 0:
+        return False
+    q_heads, kv_heads = q_size // head_dim, kv_size // head_dim
+    if q_heads % kv_heads:
+        return _near_miss(f"{q_heads} query heads is not a multiple of {kv_heads} key/value heads")
+    if not all(_same(cols, hidden.shape[2]) for cols in weight_cols):
+        return False
+    batch, seq = hidden.shape[0], hidden.shape[1]
+    if cos.dim() != 4 or not _same_shape(sin, cos.shape):
+        return False
+    if not (_same(cos.shape[1], 1) and _same(cos.shape[2], seq) and _same(cos.shape[3], head_dim)
+            and (_same(cos.shape[0], 1) or _same(cos.shape[0], batch))):
+        return _near_miss(f"cos/sin of shape {tuple(cos.shape)} (expected [1 or B, 1, S, D] after unsqueeze)")
+    outputs = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in match.output_nodes()[:3]]
+    expected = [(batch, q_heads, seq, head_dim), (batch, kv_heads, seq, head_dim), (batch, seq, kv_size)]
+    if not all(isinstance(o, torch.Tensor) and _same_shape(o, e) for o, e in zip(outputs, expected)):
+        return False  # q / k / v are not the [B, H, S, D] heads of the projection
+    if _semantics_problem(match, head_dim, hidden.dtype) is not None:
+        return False
+    return True
+
+
+def _check_fused(match: Match) -> bool:
+    names = ("hidden", "qkv_weight", "q_norm_weight", "k_norm_weight", "cos", "sin")
+    if "qkv_bias" in match.kwargs:
+        names += ("qkv_bias",)
+    q_size, kv_size = match.kwargs["q_size"], match.kwargs["kv_size"]
+    if type(q_size) is not int or type(kv_size) is not int:
+        return False
+    weight = _value(match, "qkv_weight")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not _same(weight.shape[0], q_size + 2 * kv_size):
+        return False  # the split does not cover the projection: some other layout
+    return _check(match, names, q_size, kv_size, [weight.shape[1]])
+
+
+def _check_separate(match: Match) -> bool:
+    names = ("hidden", "q_weight", "k_weight", "v_weight", "q_norm_weight", "k_norm_weight", "cos", "sin")
+    if "q_bias" in match.kwargs:
+        names += ("q_bias", "k_bias", "v_bias")
+    weights = [_value(match, n) for n in ("q_weight", "k_weight", "v_weight")]
+    if any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
+        return False
+    if not _same_shape(weights[2], weights[1].shape):
+        return False
+    rows = [w.shape[0] for w in weights]
+    if any(type(r) is not int for r in rows):
+        return False
+    return _check(match, names, rows[0], rows[1], [w.shape[1] for w in weights])
+
+
+def _counting(check: Callable[[Match], bool], name: str) -> Callable[[Match], bool]:
+    def extra_check(match: Match) -> bool:
+        accepted = check(match)
+        if accepted:
+            _variant_counts[name] += 1
+        return accepted
+
+    return extra_check
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration.
+# ----------------------------------------------------------------------------------------------
+
+
+def _joint_fwd_bwd_static_ints(fn: Callable, args, **kwargs) -> torch.fx.GraphModule:
+    """``joint_fwd_bwd`` with the int arguments (the fused split sizes) kept as Python constants.
+
+    AOT autograd turns int arguments into SymInts of the ambient ShapeEnv: at match time that is
+    Dynamo's, which then fails to build guards for those source-less symbols. The ints are baked
+    into the trace instead and a float stands in for each at its placeholder (the pattern binds
+    the sizes through ``scalar_workaround``, not through the placeholder).
+    """
+    args = list(args)
+    ints = {i: a for i, a in enumerate(args) if type(a) is int}
+    if not ints:
+        return joint_fwd_bwd(fn, args, **kwargs)
+
+    def with_ints(*traced_args):
+        return fn(*(ints.get(i, a) for i, a in enumerate(traced_args)))
+
+    with_ints.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    return joint_fwd_bwd(with_ints, [float(a) if i in ints else a for i, a in enumerate(args)], **kwargs)
+
+
+def _without(fn: Callable, **fixed: Any) -> Callable:
+    """``functools.partial`` that also drops the fixed parameters from the signature (the
+    pattern matcher names pattern inputs after the signature)."""
+    signature = inspect.signature(fn)
+    kept = [p for name, p in signature.parameters.items() if name not in fixed]
+    kept_names = [p.name for p in kept]
+
+    def wrapper(*args):
+        return fn(**dict(zip(kept_names, args)), **fixed)
+
+    wrapper.__name__ = fn.__name__  # no functools.wraps: tracers would follow __wrapped__
+    wrapper.__signature__ = signature.replace(parameters=kept)  # type: ignore[attr-defined]
+    return wrapper
+
+
+# Example geometry for tracing: B=2, S=5, K=14, D=8, Hq=6, Hkv=3 (q_size 48, kv_size 24: no
+# other constant of the traced graphs equals them).
+_EXAMPLE = {"batch": 2, "seq": 5, "hidden": 14, "head_dim": 8, "q_heads": 6, "kv_heads": 3}
+
+
+def _example_inputs(structure: str, bias: bool, dtype: torch.dtype, norm_grad: bool, rope_grad: bool,
+                    training: bool) -> list[torch.Tensor]:
+    e = _EXAMPLE
+    q_size, kv_size = e["q_heads"] * e["head_dim"], e["kv_heads"] * e["head_dim"]
+    assert (q_size, kv_size) == (_SIZE_WORKAROUND["q_size"], _SIZE_WORKAROUND["kv_size"])
+
+    def t(*shape, grad: bool = training) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype).requires_grad_(grad and training)
+
+    hidden = t(e["batch"], e["seq"], e["hidden"])
+    rows = [q_size + 2 * kv_size] if structure == "fused" else [q_size, kv_size, kv_size]
+    weights = [t(n, e["hidden"]) for n in rows]
+    biases = [t(n) for n in rows] if bias else []
+    norms = [t(e["head_dim"], grad=norm_grad), t(e["head_dim"], grad=norm_grad)]
+    # cos and sin must be distinct tensors (a shared example merges them in the pattern).
+    tables = [t(1, 1, e["seq"], e["head_dim"], grad=rope_grad), t(1, 1, e["seq"], e["head_dim"], grad=rope_grad)]
+    return [hidden, *weights, *biases, *norms, *tables]
+
+
+def variant_name(structure: str, bias: bool, dtype: torch.dtype, training: bool, norm_grad: bool = False,
+                 rope_grad: bool = False) -> str:
+    """The registration's name, e.g. ``fused_bias_lowp_joint_normgrad_ropeconst`` (lowp: bf16/fp16)."""
+    dtype_name = "fp32" if dtype == torch.float32 else "lowp"
+    mode = "inference"
+    if training:
+        mode = f"joint_norm{'grad' if norm_grad else 'frozen'}_rope{'grad' if rope_grad else 'const'}"
+    return f"{structure}_{'bias' if bias else 'nobias'}_{dtype_name}_{mode}"
+
+
+def _variants():
+    """(structure, bias, dtype, training, norm_grad, rope_grad) of every registration."""
+    for structure, bias, dtype in itertools.product(("fused", "separate"), (False, True),
+                                                    (torch.float32, torch.bfloat16)):
+        for norm_grad, rope_grad in itertools.product((True, False), (False, True)):
+            yield structure, bias, dtype, True, norm_grad, rope_grad
+        yield structure, bias, dtype, False, False, False
+
+
+def register(pass_dict: PatternMatcherPass) -> None:
+    """Register every variant (joint_fwd_bwd for training, fwd_only for no_grad) into ``pass_dict``.
+
+    ``fusion_pass.passes`` calls this outside any compile's tracing context, under a fresh
+    FakeTensorMode and with inference mode off (the joint patterns need autograd).
+    """
+    for structure, bias, dtype, training, norm_grad, rope_grad in _variants():
+        if structure == "fused":
+            search, replace, check = _fused_qkv_search, _fused_qkv_replacement, _check_fused
+            scalars = {**_EPS_WORKAROUND, **_SIZE_WORKAROUND}
+            tensor_names = ("hidden", "qkv_weight", "qkv_bias", "q_norm_weight", "k_norm_weight", "cos", "sin")
+            no_bias = {"qkv_bias": None}
+        else:
+            search, replace, check = _separate_qkv_search, _separate_qkv_replacement, _check_separate
+            scalars = dict(_EPS_WORKAROUND)
+            tensor_names = ("hidden", "q_weight", "k_weight", "v_weight", "q_bias", "k_bias", "v_bias",
+                            "q_norm_weight", "k_norm_weight", "cos", "sin")
+            no_bias = {"q_bias": None, "k_bias": None, "v_bias": None}
+        if not bias:
+            search, replace = _without(search, **no_bias), _without(replace, **no_bias)
+            tensor_names = tuple(n for n in tensor_names if n not in no_bias)
+        name = variant_name(structure, bias, dtype, training, norm_grad, rope_grad)
+        example_inputs = _example_inputs(structure, bias, dtype, norm_grad, rope_grad, training)
+        trace_fn = _joint_fwd_bwd_static_ints if training else fwd_only
+        pattern = gen_pattern(search, example_inputs, trace_fn, scalars, tensor_names)
+        register_replacement(
+            search,
+            replace,
+            example_inputs,
+            trace_fn,
+            pass_dict,
+            extra_check=_counting(check, name),
+            scalar_workaround=scalars,
+            exclusive_arg_names=tensor_names,
+            search_fn_pattern=pattern,
+            pattern_name=f"{FAMILY}_{name}",
+        )

@@ -1,0 +1,259 @@
+"""Models and a graph-only compile backend for the qkv_rope_qk_norm tests (training fusion).
+
+- ``FusedQKVAttention``: HunyuanImage-3-style attention (one QKV weight, contiguous [q | k | v]
+  rows, RoPE before the per-head norm), written with Hugging Face's own ``apply_rotary_pos_emb`` and
+  ``HunYuanDenseV1RMSNorm``; ``lookalike=`` turns it into code that must NOT be fused.
+- ``separate_attention``: Hugging Face's ``HunYuanDenseV1Attention`` itself (separate q/k/v).
+- ``VariantStack``: one block per (structure, bias, norm trainable/frozen, cos/sin constant or
+  requiring grad), each with its own input norm, in ONE graph: one compile covers every variant.
+- ``joint_pass_backend``: AOT autograd plus Inductor's joint-graph passes (ours included), then
+  the graphs run eagerly: the fusion and its numerics without Inductor's C++ codegen (~11 s per
+  graph on the CI machines).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+from transformers import HunYuanDenseV1Config
+from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import (
+    HunYuanDenseV1Attention,
+    HunYuanDenseV1RMSNorm,
+    apply_rotary_pos_emb,
+)
+
+from fusion_pass.graph_text import CapturingPass
+from fusion_pass.graph_text import graph_text
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+EPS = 1e-6
+
+
+def rope_tables(seq: int, head_dim: int = HEAD_DIM, dtype=torch.float32, batch: int = 1,
+                requires_grad: bool = False, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [batch, S, D] as Hugging Face's rotary module computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    pos = torch.arange(seq, dtype=torch.float32)[None, :].expand(batch, seq)
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    return cos.requires_grad_(requires_grad), sin.requires_grad_(requires_grad)
+
+
+def _lookalike_rotate(x: torch.Tensor) -> torch.Tensor:
+    """rotate_half split at D/4 instead of D/2: same ops, different ints (a different rotation)."""
+    cut = x.shape[-1] // 4
+    return torch.cat((-x[..., cut:], x[..., :cut]), dim=-1)
+
+
+class FusedQKVAttention(nn.Module):
+    """HunyuanImage-3-style attention block with one fused QKV projection.
+
+    lookalike (structure that must not be fused): ``"norm_before_rope"``, ``"full_width_norm"``
+    (one RMSNorm over the whole projection width, then heads), ``"grouped_split"`` (the official
+    HunyuanImage-3.0 layout: rows grouped per kv head [q * G, k, v]), ``"quarter_rotate"``.
+    """
+
+    def __init__(self, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, bias=False, eps=EPS,
+                 lookalike: str | None = None, consumer: str = "sdpa"):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.lookalike = heads, kv_heads, head_dim, lookalike
+        self.consumer = consumer
+        self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        norm_width = self.q_size if lookalike == "full_width_norm" else head_dim
+        self.query_layernorm = HunYuanDenseV1RMSNorm(norm_width, eps=eps)
+        self.key_layernorm = HunYuanDenseV1RMSNorm(self.kv_size if lookalike == "full_width_norm" else head_dim,
+                                                   eps=eps)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, q_len, _ = hidden_states.shape
+        qkv = self.qkv_proj(hidden_states)
+        if self.lookalike == "grouped_split":
+            groups = self.heads // self.kv_heads
+            qkv = qkv.reshape(bsz, q_len, self.kv_heads, groups + 2, self.head_dim)
+            q, k, v = torch.split(qkv, [groups, 1, 1], dim=3)
+            query = q.reshape(bsz, q_len, self.heads, self.head_dim).transpose(1, 2)
+            key = k.reshape(bsz, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
+            value = v.reshape(bsz, q_len, self.kv_heads, self.head_dim).transpose(1, 2)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.lookalike == "full_width_norm":
+                q, k = self.query_layernorm(q), self.key_layernorm(k)
+            query = q.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+            key = k.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+            value = v.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        if self.lookalike == "norm_before_rope":
+            query, key = self.query_layernorm(query), self.key_layernorm(key)
+        if self.lookalike == "quarter_rotate":
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            query, key = query * c + _lookalike_rotate(query) * s, key * c + _lookalike_rotate(key) * s
+        else:
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if self.lookalike in (None, "grouped_split", "quarter_rotate"):
+            query, key = self.query_layernorm(query), self.key_layernorm(key)
+        if self.consumer == "bshd":
+            # Not attention: a consumer whose gradients for q, k and v arrive [B, S, H, D]-ordered,
+            # as from SDPA's CUDA kernels (CPU attention hands back [B, H, S, D]-contiguous ones).
+            kv = torch.cat([key, value], dim=1)
+            mixed = query.transpose(1, 2).reshape(bsz, q_len, -1) * kv.transpose(1, 2).reshape(bsz, q_len, -1)
+            return self.o_proj(mixed)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+def tiny_config(bias: bool = False, attn_implementation: str = "sdpa", layers: int = 2) -> HunYuanDenseV1Config:
+    """The tiny random HunYuanDenseV1 of the tests: hidden 64, 4 q heads, 2 kv heads, head_dim 16."""
+    return HunYuanDenseV1Config(
+        hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM, num_hidden_layers=layers, vocab_size=128, max_position_embeddings=256,
+        attention_bias=bias, attn_implementation=attn_implementation, use_cache=False, rms_norm_eps=EPS,
+    )
+
+
+class SeparateQKVAttention(nn.Module):
+    """Hugging Face's ``HunYuanDenseV1Attention`` (q_proj / k_proj / v_proj), called like the model does."""
+
+    def __init__(self, bias=False):
+        super().__init__()
+        self.attn = HunYuanDenseV1Attention(tiny_config(bias=bias), layer_idx=0)
+
+    def forward(self, hidden_states, cos, sin):
+        return self.attn(hidden_states, position_embeddings=(cos, sin), attention_mask=None)[0]
+
+
+def make_block(structure: str, bias: bool, lookalike: str | None = None) -> nn.Module:
+    """A fused-QKV block (``FusedQKVAttention``) or Hugging Face's separate-q/k/v attention."""
+    return FusedQKVAttention(bias=bias, lookalike=lookalike) if structure == "fused" else SeparateQKVAttention(bias)
+
+
+def norm_weights(block: nn.Module) -> list[nn.Parameter]:
+    owner = block.attn if isinstance(block, SeparateQKVAttention) else block
+    return [owner.query_layernorm.weight, owner.key_layernorm.weight]
+
+
+#: (structure, bias, norm_grad, rope_grad) of the training blocks of ``VariantStack.all_variants``.
+TRAINING_VARIANTS = list(itertools.product(("fused", "separate"), (False, True), (True, False), (False, True)))
+INFERENCE_VARIANTS = list(itertools.product(("fused", "separate"), (False, True)))
+
+
+class VariantStack(nn.Module):
+    """Independent attention blocks summed: block i sees ``input_norm_i(x)`` and either the constant
+    tables (cos, sin) or the ones requiring grad (cos_g, sin_g).
+
+    specs: (structure, bias, norm_grad, rope_grad) per block; lookalikes: optional, one per block.
+    """
+
+    def __init__(self, specs: list[tuple[str, bool, bool, bool]], lookalikes: list[str | None] | None = None):
+        super().__init__()
+        self.specs = specs
+        lookalikes = lookalikes or [None] * len(specs)
+        self.blocks = nn.ModuleList(make_block(s, b, la) for (s, b, _, _), la in zip(specs, lookalikes))
+        self.input_norms = nn.ModuleList(HunYuanDenseV1RMSNorm(HIDDEN, eps=EPS) for _ in specs)
+        for block, (_, _, norm_grad, _) in zip(self.blocks, specs):
+            for w in norm_weights(block):
+                w.requires_grad_(norm_grad)
+
+    def forward(self, x, cos, sin, cos_g=None, sin_g=None):
+        out = x
+        for block, norm, (_, _, _, rope_grad) in zip(self.blocks, self.input_norms, self.specs):
+            c, s = (cos_g, sin_g) if rope_grad else (cos, sin)
+            out = out + block(norm(x), c, s)
+        return out
+
+
+def region_text(graph: torch.fx.Graph) -> str:
+    """``graph_text(graph, keep_constants=False)`` (no shapes, sizes or dims), except that getitem
+    indices and the fusion ops' flags are kept: they say which output and which gradients."""
+    text = graph_text(graph, keep_constants=False).splitlines()
+    keep = graph_text(graph, keep_constants=True).splitlines()
+    lines = [k if (" = getitem(" in k or " = fusion_pass." in k) else t for t, k in zip(text, keep)]
+    return "\n".join(lines)
+
+
+class RegionCapture(CapturingPass):
+    """``CapturingPass`` recording ``region_text``: what the snapshots compare."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.before.append(region_text(graph))
+        self.inner(graph)
+        self.after.append(region_text(graph))
+        self.after_graphs.append(graph)
+
+
+def joint_pass_backend(capture: CapturingPass | None = None):
+    """A torch.compile backend: AOT autograd with Inductor's decompositions and partitioner, and
+    Inductor's joint-graph passes (where ``joint_custom_post_pass`` runs), then eager execution of
+    the resulting graphs. ``capture`` wraps the installed joint pass to snapshot each graph."""
+    import torch._inductor.config as inductor_config
+
+    def run_joint_passes(gm: torch.fx.GraphModule) -> None:
+        hook = inductor_config.joint_custom_post_pass
+        if capture is not None:
+            capture.inner = hook
+            hook = capture
+        with inductor_config.patch(joint_custom_post_pass=hook):
+            joint_graph_passes(gm)
+
+    def partition(gm, joint_inputs, **kwargs):
+        run_joint_passes(gm)
+        return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
+
+    def compiler(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    def inference_compiler(gm, example_inputs):
+        run_joint_passes(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(
+        fw_compiler=compiler, bw_compiler=compiler, inference_compiler=inference_compiler, partition_fn=partition,
+        decompositions=select_decomp_table(), keep_inference_input_mutations=True,
+    )
+
+
+def op_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    """Call targets of a graph, counted (``aten.mm.default`` style names)."""
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            name = str(node.target)
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+class FusedQKVPrologue(FusedQKVAttention):
+    """Only the region: fused QKV projection -> split -> RoPE -> per-head norm; returns (q, k, v)."""
+
+    def forward(self, hidden_states, cos, sin):
+        bsz, q_len, _ = hidden_states.shape
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = q.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        key = k.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        value = v.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        return self.query_layernorm(query), self.key_layernorm(key), value
+
+
+def compare_grads(model: nn.Module, reference: nn.Module, extra: list[tuple[str, torch.Tensor, torch.Tensor]] = (),
+                  ) -> dict[str, float]:
+    """max |grad - grad_ref| / max |grad_ref| per parameter (and per extra (name, tensor, ref) input)."""
+    errors = {}
+    pairs = [(n, p, q) for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())]
+    for name, p, q in pairs + list(extra):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is None:
+            continue
+        scale = q.grad.float().abs().max().clamp_min(1e-30)
+        errors[name] = ((p.grad.float() - q.grad.float()).abs().max() / scale).item()
+    return errors

@@ -1,0 +1,380 @@
+"""Matching of the qkv_rope_qk_norm family: exact counts per registered variant, zero on look-alikes,
+near-misses, dynamic shapes, and snapshots of the joint graph before and after the pass.
+
+Graphs are compiled with ``joint_pass_backend`` (AOT autograd + Inductor's joint-graph passes, then
+eager execution): the pass and the numerics of the rewritten graph, without C++ codegen. The
+gradients checked here are those of the rewritten graphs; tests/test_qkv_rope_qk_norm_numerics.py
+compiles with Inductor end to end.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import expecttest
+import pytest
+import torch
+from torch import nn
+
+import fusion_pass
+from fusion_pass.graph_text import CapturingPass
+from fusion_pass.patterns import qkv_rope_qk_norm as pattern
+from qkv_rope_qk_norm_models import (
+    HIDDEN,
+    INFERENCE_VARIANTS,
+    TRAINING_VARIANTS,
+    FusedQKVAttention,
+    FusedQKVPrologue,
+    RegionCapture,
+    VariantStack,
+    compare_grads,
+    joint_pass_backend,
+    op_counts,
+    rope_tables,
+)
+
+FAMILY = "qkv_rope_qk_norm"
+FWD_OP = "fusion_pass.qkv_rope_qk_norm.default"
+BWD_OP = "fusion_pass.qkv_rope_qk_norm_backward.default"
+
+
+def _compile(model, devices=("cpu",), capture=None):
+    fusion_pass.install(devices=devices)
+    pattern.reset_variant_counts()
+    return torch.compile(model, backend=joint_pass_backend(capture))
+
+
+def _inputs(dtype, batch=2, seq=12, batch_cos_g=1):
+    """x, the constant tables [1, S, D], and tables requiring grad [batch_cos_g, S, D]."""
+    x = torch.randn(batch, seq, HIDDEN, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(seq, dtype=dtype)
+    cos_g, sin_g = rope_tables(seq, dtype=dtype, batch=batch_cos_g, requires_grad=True)
+    return x, cos, sin, cos_g, sin_g
+
+
+def _clone_inputs(inputs):
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_training_variant_matches_exactly_once(dtype):
+    """16 blocks in one graph: fused / separate QKV x bias x norm weights trainable / frozen x
+    cos/sin constant / requiring grad. Each joint registration matches its block, once. The
+    tables requiring grad are [1, S, D] in fp32 and [B, S, D] in bf16."""
+    model = VariantStack(TRAINING_VARIANTS).to(dtype)
+    reference = copy.deepcopy(model)
+    inputs = _inputs(dtype, batch_cos_g=1 if dtype == torch.float32 else 2)
+    ref_inputs = _clone_inputs(inputs)
+    capture = CapturingPass(None)
+    out = _compile(model, capture=capture)(*inputs)
+    out.float().pow(2).mean().backward()
+
+    assert fusion_pass.match_counts() == {FAMILY: len(TRAINING_VARIANTS)}
+    assert pattern.variant_counts() == {
+        pattern.variant_name(s, b, dtype, True, n, r): 1 for s, b, n, r in TRAINING_VARIANTS
+    }
+    assert fusion_pass.near_misses() == {}
+    # One joint graph; every GEMM of the region is gone: only o_proj's forward mm (addmm with
+    # HF's attention_bias) and its two backward mm stay, per block.
+    (joint,) = capture.after_graphs
+    ops = op_counts(joint)
+    assert ops[FWD_OP] == ops[BWD_OP] == len(TRAINING_VARIANTS)
+    assert ops["aten.mm.default"] + ops.get("aten.addmm.default", 0) == 3 * len(TRAINING_VARIANTS)
+    assert "aten.split_with_sizes.default" not in ops
+    assert ops["aten.rsqrt.default"] == len(TRAINING_VARIANTS)  # the blocks' input norms only
+
+    expected = reference(*ref_inputs)
+    expected.float().pow(2).mean().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # the forward follows eager's roundings
+    names = ["x", "cos", "sin", "cos_g", "sin_g"]
+    extra = [(n, a, b) for n, a, b in zip(names, inputs, ref_inputs) if b.requires_grad]
+    errors = compare_grads(model, reference, extra)
+    assert len(errors) == sum(1 for p in reference.parameters() if p.requires_grad) + 3
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert max(errors.values()) < tolerance, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_every_inference_variant_matches_exactly_once_under_no_grad(dtype):
+    specs = [(s, b, True, False) for s, b in INFERENCE_VARIANTS]
+    model = VariantStack(specs).to(dtype)
+    inputs = _inputs(dtype)
+    with torch.no_grad():
+        out = _compile(model)(*inputs)
+        expected = model(*inputs)
+    assert fusion_pass.match_counts() == {FAMILY: len(specs)}
+    assert pattern.variant_counts() == {pattern.variant_name(s, b, dtype, False): 1 for s, b in INFERENCE_VARIANTS}
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+LOOKALIKES = ["norm_before_rope", "full_width_norm", "grouped_split", "quarter_rotate"]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "no_grad"])
+def test_lookalikes_do_not_match(training):
+    """Norm before RoPE; one norm over the whole projection width; HunyuanImage-3.0's grouped
+    [q * G, k, v] rows; rotate_half split at D/4 (same ops, other ints: caught by the checks)."""
+    model = VariantStack([("fused", False, True, False)] * len(LOOKALIKES), lookalikes=LOOKALIKES)
+    inputs = _inputs(torch.float32)
+    compiled = _compile(model)
+    if training:
+        compiled(*inputs).pow(2).mean().backward()
+    else:
+        with torch.no_grad():
+            compiled(*inputs)
+    assert fusion_pass.match_counts() == {}
+    assert pattern.variant_counts() == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradient_layout_from_the_attention_does_not_matter(dtype):
+    """q, k, v gradients arriving [B, S, H, D]-ordered (SDPA's CUDA kernels) instead of
+    [B, H, S, D]-contiguous (CPU attention, repeat_kv): same match, same gradients."""
+    model = nn.ModuleList([FusedQKVAttention(bias=True, consumer="bshd")]).to(dtype)
+    reference = copy.deepcopy(model)
+    x, cos, sin = _inputs(dtype)[:3]
+    x_ref = x.detach().clone().requires_grad_()
+    _compile(model[0])(x, cos, sin).float().pow(2).sum().backward()
+    reference[0](x_ref, cos, sin).float().pow(2).sum().backward()
+    assert fusion_pass.match_counts() == {FAMILY: 1}
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert max(compare_grads(model, reference, [("x", x, x_ref)]).values()) < tolerance
+
+
+def test_near_misses_are_reported():
+    """Structure found but not fused: a device type that is not enabled, an unsupported dtype."""
+    x, cos, sin = torch.randn(2, 8, HIDDEN, requires_grad=True), *rope_tables(8)
+    _compile(VariantStack([("fused", False, True, False)]), devices=("cuda",))(x, cos, sin).sum().backward()
+    torch._dynamo.reset()
+    model64 = VariantStack([("separate", False, True, False)]).double()
+    x64, cos64, sin64 = x.detach().double().requires_grad_(), cos.double(), sin.double()
+    _compile(model64)(x64, cos64, sin64).sum().backward()
+    assert fusion_pass.match_counts() == {}
+    misses = {(m.family, m.reason) for m in fusion_pass.near_misses()}
+    assert misses == {
+        (FAMILY, "device type 'cpu' is not enabled (fusion_pass.install(devices=...))"),
+        (FAMILY, "dtype torch.float64 is not one of bf16, fp16, fp32"),
+    }
+
+
+def test_dynamic_batch_and_sequence_match_without_recompiling():
+    """mark_dynamic on B and S: the pre-traced patterns match the symbolic graph (a re-traced
+    pattern would not: see the module docstring of the pattern file), and a new S reuses it."""
+    backend_calls = []
+    model = VariantStack([("fused", True, True, False), ("separate", False, True, True)])
+    reference = copy.deepcopy(model)
+    fusion_pass.install(devices=("cpu",))
+    inner = joint_pass_backend()
+
+    def counting_backend(gm, example_inputs):
+        backend_calls.append(gm)
+        return inner(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=counting_backend)
+    for batch, seq in ((3, 12), (2, 20)):
+        inputs = _inputs(torch.float32, batch=batch, seq=seq)
+        torch._dynamo.mark_dynamic(inputs[0], 0)
+        for t in inputs:
+            torch._dynamo.mark_dynamic(t, 1)  # x [B, S, K] and the tables [1, S, D]
+        ref_inputs = _clone_inputs(inputs)
+        compiled(*inputs).pow(2).mean().backward()
+        reference(*ref_inputs).pow(2).mean().backward()
+        errors = compare_grads(model, reference, [("x", inputs[0], ref_inputs[0])])
+        assert max(errors.values()) < 1e-5
+        model.zero_grad()
+        reference.zero_grad()
+    assert len(backend_calls) == 1
+    assert fusion_pass.match_counts() == {FAMILY: 2}
+
+
+def test_fp16_training_uses_the_low_precision_variants():
+    specs = [("fused", True, True, True), ("separate", False, False, True)]
+    model = VariantStack(specs).to(torch.float16)
+    reference = copy.deepcopy(model)
+    inputs = _inputs(torch.float16, batch_cos_g=2)
+    ref_inputs = _clone_inputs(inputs)
+    _compile(model)(*inputs).float().pow(2).mean().backward()
+    reference(*ref_inputs).float().pow(2).mean().backward()
+    expected = {pattern.variant_name(s, b, torch.float16, True, n, r): 1 for s, b, n, r in specs}
+    assert pattern.variant_counts() == expected
+    extra = [("cos_g", inputs[3], ref_inputs[3]), ("sin_g", inputs[4], ref_inputs[4])]
+    assert max(compare_grads(model, reference, extra).values()) < 4e-3
+
+
+def test_dynamic_true_is_reported_then_fused_with_specialized_floats():
+    """torch.compile(dynamic=True) lifts the norms' eps to graph inputs: reported as a near-miss
+    (a baked-in eps could silently go stale); with specialize_float the region is fused."""
+    model = VariantStack([("fused", False, True, False)])
+    inputs = _inputs(torch.float32)[:3]
+    fusion_pass.install(devices=("cpu",))
+    torch.compile(model, backend=joint_pass_backend(), dynamic=True)(*inputs).sum().backward()
+    assert fusion_pass.match_counts() == {}
+    assert [m.reason for m in fusion_pass.near_misses()] == [
+        "the norm's eps is a graph input (torch.compile(dynamic=True) lifts floats: "
+        "set torch._dynamo.config.specialize_float = True)"
+    ]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(specialize_float=True):
+        torch.compile(model, backend=joint_pass_backend(), dynamic=True)(*inputs).sum().backward()
+    assert fusion_pass.match_counts() == {FAMILY: 1}
+
+
+class TestJointGraphSnapshots(expecttest.TestCase):
+    """The joint graph of the region alone (fused QKV, fp32, trainable norms, constant cos/sin)."""
+
+    def test_before_and_after(self):
+        torch.manual_seed(0)
+        model = FusedQKVPrologue()
+        x, (cos, sin) = torch.randn(2, 8, HIDDEN, requires_grad=True), rope_tables(8)
+        capture = RegionCapture(None)
+        q, k, v = _compile(model, capture=capture)(x, cos, sin)
+        (q.sum() + k.sum() + v.sum()).backward()
+        self.assertEqual(fusion_pass.match_counts(), {FAMILY: 1})
+        (before,), (after,) = capture.before, capture.after
+        self.assertExpectedInline(before, """\
+v0 = aten.permute.default(in1, [_, _])
+v1 = aten.view.default(in0, [_, _])
+v2 = aten.mm.default(v1, v0)
+v3 = aten.view.default(v2, [_, _, _])
+v4 = aten.split_with_sizes.default(v3, [_, _, _], _)
+v5 = getitem(v4, 0)
+v6 = getitem(v4, 1)
+v7 = getitem(v4, 2)
+v8 = aten.view.default(v5, [_, _, _, _])
+v9 = aten.permute.default(v8, [_, _, _, _])
+v10 = aten.view.default(v6, [_, _, _, _])
+v11 = aten.permute.default(v10, [_, _, _, _])
+v12 = aten.view.default(v7, [_, _, _, _])
+v13 = aten.permute.default(v12, [_, _, _, _])
+v14 = aten.unsqueeze.default(in2, _)
+v15 = aten.unsqueeze.default(in3, _)
+v16 = aten.mul.Tensor(v9, v14)
+v17 = aten.slice.Tensor(v9, _, _, _)
+v18 = aten.slice.Tensor(v9, _, _, _)
+v19 = aten.neg.default(v18)
+v20 = aten.cat.default([v19, v17], _)
+v21 = aten.mul.Tensor(v20, v15)
+v22 = aten.add.Tensor(v16, v21)
+v23 = aten.mul.Tensor(v11, v14)
+v24 = aten.slice.Tensor(v11, _, _, _)
+v25 = aten.slice.Tensor(v11, _, _, _)
+v26 = aten.neg.default(v25)
+v27 = aten.cat.default([v26, v24], _)
+v28 = aten.mul.Tensor(v27, v15)
+v29 = aten.add.Tensor(v23, v28)
+v30 = aten.pow.Tensor_Scalar(v22, _)
+v31 = aten.mean.dim(v30, [_], _)
+v32 = aten.add.Tensor(v31, 1e-06)
+v33 = aten.rsqrt.default(v32)
+v34 = aten.mul.Tensor(v22, v33)
+v35 = aten.mul.Tensor(in4, v34)
+v36 = aten.pow.Tensor_Scalar(v29, _)
+v37 = aten.mean.dim(v36, [_], _)
+v38 = aten.add.Tensor(v37, 1e-06)
+v39 = aten.rsqrt.default(v38)
+v40 = aten.mul.Tensor(v29, v39)
+v41 = aten.mul.Tensor(in5, v40)
+v42 = aten.mul.Tensor(in7, in5)
+v43 = aten.mul.Tensor(in7, v40)
+v44 = aten.sum.dim_IntList(v43, [_, _, _], _)
+v45 = aten.view.default(v44, [_])
+v46 = aten.mul.Tensor(v42, v29)
+v47 = aten.mul.Tensor(v42, v39)
+v48 = aten.sum.dim_IntList(v46, [_], _)
+v49 = aten.pow.Tensor_Scalar(v39, _)
+v50 = aten.mul.Scalar(v48, -0.5)
+v51 = aten.mul.Tensor(v50, v49)
+v52 = aten.expand.default(v51, [_, _, _, _])
+v53 = aten.div.Scalar(v52, _)
+v54 = aten.pow.Tensor_Scalar(v29, 1)
+v55 = aten.mul.Scalar(v54, 2)
+v56 = aten.mul.Tensor(v53, v55)
+v57 = aten.add.Tensor(v47, v56)
+v58 = aten.mul.Tensor(in6, in4)
+v59 = aten.mul.Tensor(in6, v34)
+v60 = aten.sum.dim_IntList(v59, [_, _, _], _)
+v61 = aten.view.default(v60, [_])
+v62 = aten.mul.Tensor(v58, v22)
+v63 = aten.mul.Tensor(v58, v33)
+v64 = aten.sum.dim_IntList(v62, [_], _)
+v65 = aten.pow.Tensor_Scalar(v33, _)
+v66 = aten.mul.Scalar(v64, -0.5)
+v67 = aten.mul.Tensor(v66, v65)
+v68 = aten.expand.default(v67, [_, _, _, _])
+v69 = aten.div.Scalar(v68, _)
+v70 = aten.pow.Tensor_Scalar(v22, 1)
+v71 = aten.mul.Scalar(v70, 2)
+v72 = aten.mul.Tensor(v69, v71)
+v73 = aten.add.Tensor(v63, v72)
+v74 = aten.mul.Tensor(v57, v15)
+v75 = aten.slice.Tensor(v74, _, _, _)
+v76 = aten.slice.Tensor(v74, _, _, _)
+v77 = aten.neg.default(v75)
+v78 = aten.full.default([_, _, _, _], _, dtype=float32, layout=_, device=device, pin_memory=_)
+v79 = aten.slice_scatter.default(v78, v77, _, _, _)
+v80 = aten.full.default([_, _, _, _], _, dtype=float32, layout=_, device=device, pin_memory=_)
+v81 = aten.slice_scatter.default(v80, v76, _, _, _)
+v82 = aten.add.Tensor(v79, v81)
+v83 = aten.mul.Tensor(v57, v14)
+v84 = aten.add.Tensor(v82, v83)
+v85 = aten.mul.Tensor(v73, v15)
+v86 = aten.slice.Tensor(v85, _, _, _)
+v87 = aten.slice.Tensor(v85, _, _, _)
+v88 = aten.neg.default(v86)
+v89 = aten.full.default([_, _, _, _], _, dtype=float32, layout=_, device=device, pin_memory=_)
+v90 = aten.slice_scatter.default(v89, v88, _, _, _)
+v91 = aten.full.default([_, _, _, _], _, dtype=float32, layout=_, device=device, pin_memory=_)
+v92 = aten.slice_scatter.default(v91, v87, _, _, _)
+v93 = aten.add.Tensor(v90, v92)
+v94 = aten.mul.Tensor(v73, v14)
+v95 = aten.add.Tensor(v93, v94)
+v96 = aten.permute.default(in8, [_, _, _, _])
+v97 = aten.view.default(v96, [_, _, _])
+v98 = aten.permute.default(v84, [_, _, _, _])
+v99 = aten.clone.default(v98, memory_format=_)
+v100 = aten.view.default(v99, [_, _, _])
+v101 = aten.permute.default(v95, [_, _, _, _])
+v102 = aten.clone.default(v101, memory_format=_)
+v103 = aten.view.default(v102, [_, _, _])
+v104 = aten.cat.default([v103, v100, v97], _)
+v105 = aten.view.default(v104, [_, _])
+v106 = aten.permute.default(v105, [_, _])
+v107 = aten.mm.default(v106, v1)
+v108 = aten.permute.default(v0, [_, _])
+v109 = aten.mm.default(v105, v108)
+v110 = aten.view.default(v109, [_, _, _])
+return [v35, v41, v13, v110, v107, _, _, v61, v45]""")
+        self.assertExpectedInline(after, """\
+v0 = aten.unsqueeze.default(in2, _)
+v1 = aten.squeeze.dim(v0, _)
+v2 = aten.unsqueeze.default(in3, _)
+v3 = aten.squeeze.dim(v2, _)
+v4 = fusion_pass.qkv_rope_qk_norm.default(in0, [in1], [], in4, in5, v1, v3, 4, 2, 1e-06, 1e-06)
+v5 = getitem(v4, 0)
+v6 = getitem(v4, 1)
+v7 = getitem(v4, 2)
+v8 = aten.permute.default(v7, [_, _, _, _])
+v9 = aten.view.default(v8, [_, _, _])
+v10 = aten.view.default(v9, [_, _, _, _])
+v11 = aten.permute.default(v10, [_, _, _, _])
+v12 = getitem(v4, 3)
+v13 = getitem(v4, 4)
+v14 = getitem(v4, 5)
+v15 = getitem(v14, 0)
+v16 = aten.slice.Tensor(v15, _, _, _)
+v17 = aten.view.default(v16, [_, _, _, _])
+v18 = aten.slice.Tensor(v15, _, _, _)
+v19 = aten.view.default(v18, [_, _, _, _])
+v20 = aten.permute.default(in8, [_, _, _, _])
+v21 = aten.view.default(v20, [_, _, _])
+v22 = aten.view.default(v21, [_, _, _, _])
+v23 = aten.permute.default(v22, [_, _, _, _])
+v24 = fusion_pass.qkv_rope_qk_norm_backward.default(in6, in7, v23, v17, v19, v12, v13, v1, v3, in4, in5, in0, [in1], False, True, True, True, False)
+v25 = getitem(v24, 0)
+v26 = getitem(v25, 0)
+v27 = getitem(v24, 1)
+v28 = getitem(v27, 0)
+v29 = getitem(v24, 3)
+v30 = getitem(v29, 0)
+v31 = getitem(v29, 1)
+return [v5, v6, v11, v26, v28, _, _, v30, v31]""")
