@@ -36,6 +36,8 @@ case "$stage" in
        timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
          tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py \
          tests/test_qk_norm_rope_cache_model.py 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
+  quick) timeout 100 python3 benchmarks/bench_forward.py --out "$out" --cases quick --no-sweep 2>&1 | tee "$out/forward.log" | tail -12
+       timeout 60 python3 -m pytest -q -p no:cacheprovider -x tests/test_qk_norm_rope_cache_kernel.py 2>&1 | tail -6 ;;
   all) timeout 380 python3 benchmarks/bench_forward.py --out "$out" --no-sweep 2>&1 | tee "$out/forward.log" | tail -25
        run_tests ;;
 esac

@@ -64,11 +64,12 @@ torch's own CUDA kernels use; positions reach 262144 radians, where ``cos.approx
 
 Rounding and exactness
 ----------------------
-Every intermediate rounding is an opaque ``cvt.rn`` (``rounding.py``). v1 wrote them as
-``x.to(bf16).to(fp32)``; the compiler turned those products into native bf16 multiplies and
-contracted a multiply and the following add into one bf16 FMA (one rounding instead of two),
-so on the H200 ~12 % of the outputs differed from eager by up to 2.5 RoPE-term ulps. With
-the roundings opaque, the only remaining source of difference is the fp32 statistic:
+The four RoPE products are rounded through an opaque ``cvt.rn`` (``rounding.py``). v1 wrote
+every rounding as ``x.to(bf16).to(fp32)``; the compiler turned the products into native bf16
+multiplies and contracted a multiply and the following add into one bf16 FMA (one rounding
+instead of two), so on the H200 ~12 % of the outputs differed from eager by up to 2.5
+RoPE-term ulps. v2 made every rounding opaque (exact, but 67 -> 85 us on the largest case);
+v3 only the products that feed an add. With those roundings kept, the only remaining source of difference is the fp32 statistic:
 Triton's tree reduction sums the squares in another order than torch's ``mean``, which
 flips the bf16 rounding of a normalized value only near a tie (measured: 2.8e-6 of the
 normalized values). fp16 behaves the same; fp32 agrees to a few fp32 ulps.
@@ -93,7 +94,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .rounding import round_to_bf16, round_to_fp16
+from .rounding import round_to as _round
+from .rounding import round_to_opaque as _round_opaque
 
 #: Elements (one tensor, both halves) per program. 4096 with 4 warps = 32 elements per thread.
 TILE_ELEMENTS = 4096
@@ -104,17 +106,6 @@ NUM_WARPS = 4
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Round fp32 ``x`` to ``dtype`` (nearest even) and return it as fp32 (see rounding.py)."""
-    if dtype == tl.bfloat16:
-        return round_to_bf16(x, INTERPRETED)
-    elif dtype == tl.float16:
-        return round_to_fp16(x, INTERPRETED)
-    else:
-        return x
 
 
 @triton.jit
@@ -186,8 +177,11 @@ def _norm_rope(
     c2 = cos2[None, :, :]
     s1 = sin1[None, :, :]
     s2 = sin2[None, :, :]
-    out1 = _round(_round(y1 * c1, dtype, INTERPRETED) - _round(y2 * s1, dtype, INTERPRETED), dtype, INTERPRETED)
-    out2 = _round(_round(y2 * c2, dtype, INTERPRETED) + _round(y1 * s2, dtype, INTERPRETED), dtype, INTERPRETED)
+    # The products feed an add: opaque roundings, or the compiler fuses one into a bf16 FMA.
+    out1 = _round(_round_opaque(y1 * c1, dtype, INTERPRETED) - _round_opaque(y2 * s1, dtype, INTERPRETED),
+                  dtype, INTERPRETED)
+    out2 = _round(_round_opaque(y2 * c2, dtype, INTERPRETED) + _round_opaque(y1 * s2, dtype, INTERPRETED),
+                  dtype, INTERPRETED)
     return out1, out2
 
 

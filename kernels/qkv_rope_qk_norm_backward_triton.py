@@ -9,11 +9,11 @@ The forward being differentiated (eager bf16, RoPE *before* the norm)::
 
 Two pieces, launched one after the other by the training-side op (kernels/qkv_rope_qk_norm_op.py):
 
-1. ``qk_norm_rope_backward_triton`` -- ONE memory pass over the tokens. A program owns a contiguous
-   range of tokens (b, s); per token it reads the grad rows of all q/k/v heads, the pre-RoPE q/k
-   rows (strided views of the forward's qkv), rstd and the cos/sin row once, does all math in
-   fp32 and writes d(qkv) once, directly into the caller's ``[M, qkv_size]`` GEMM layout (no
-   transpose, no cat). Per head row (g = grad of y, R(.) = round to the model dtype)::
+1. ``qk_norm_rope_backward_triton`` -- ONE memory pass (v2 tiling, see below). It reads the grad
+   rows of all q/k/v heads, the pre-RoPE q/k rows (strided views of the forward's qkv), rstd and
+   cos/sin, does all math in fp32 and writes d(qkv) once, directly into the caller's
+   ``[M, qkv_size]`` GEMM layout (no transpose, no cat). Per head row (g = grad of y, R(.) = round
+   to the model dtype)::
 
        x   = R(R(q*cos) + R(rotate_half(q)*sin))          # recomputed RoPE, eager rounding
        gw += R(g * R(x*rstd))                             # norm-weight grad (fp32 partial)
@@ -28,16 +28,33 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    k parts separately: a sub-ulp difference). Rounding is done with integer RNE on the fp32 bit
    pattern for bf16, so the Triton interpreter (whose casts truncate) gives the same bits as the GPU.
 
-   Deterministic reductions, no atomics: each program writes its norm-weight partials to a
-   ``[programs, 2*D]`` fp32 workspace, summed by ``_sum_partials_kernel`` (one fixed tree per
-   compiled kernel). grad_cos/grad_sin are complete per token (all heads are in one program) and
-   stored directly when cos has a batch row per token (Bc == B, or B == 1); with a broadcast
-   ``Bc == 1 < B`` they go to a ``[B, 2*S*D]`` fp32 workspace that the same reduce kernel sums
-   over B.
+   Rounding on the GPU is the hardware RNE convert (``_rnd``: cvt to bf16 and back, ~2
+   instructions); under the interpreter (whose casts truncate) integer RNE on the fp32 bits
+   (``_round``). Same bits. (v1 used the integer RNE on the GPU too: ~8 integer ops x ~14 roundings
+   per element made the pass compute-bound.)
 
-   Grid rule: ``programs = min(M, ELEMENTWISE_PROGRAMS_PER_SM * SMs)``, tokens split evenly. Enough
-   programs to keep every SM streaming, few enough that the weight partials stay tiny
-   (528 x 256 x 4 B = 0.5 MB at most on an H200 with 132 SMs).
+   Tiling (v2). 1-D grid ``[q programs | k programs | v programs]``. A tile is ``BH heads x BT
+   tokens`` of one tensor, ~``ELEMENTWISE_TILE_ELEMENTS`` (4096) elements, held as two
+   ``[BH, BT, D/2]`` fp32 half tiles (rotate_half is free; each half row is 128 B = 8 x 16-byte
+   vectors for D = 128 bf16). Rule: ``BH = min(next_pow2(H), TILE / D_pad)`` (all heads of the
+   kind when they fit), ``BT = TILE / (BH * D_pad)`` capped at next_pow2(M). Workload B (Hq 32,
+   Hkv 8, D 128): q tiles 32 x 1, k and v tiles 8 x 4. Tokens are flattened (t = b*S + s) so a
+   tile may span a batch boundary. Program (kind, head block, group g) walks the token tiles
+   g, g + G, g + 2G, ... of its head block; ``tiles_per_program = min(4, cdiv(total tiles,
+   ELEMENTWISE_PROGRAMS_PER_SM * SMs))`` (12 per SM ~ 4 waves at 3 resident programs) and
+   ``G = cdiv(token tiles, tiles_per_program)``. So M = 128 gives 192 one-tile programs, M = 8192
+   3072 programs of 4 tiles. q/k programs do norm + RoPE backward; v programs copy grad_v.
+   4 warps. Offline sm_90 compile (Triton 3.7, ptxas -v): 168 registers with both optional grads
+   (127 with neither), no spills, 3 programs / SM, q/k/v traffic in 16-byte ld/st.global.v4.
+
+   Deterministic reductions, no atomics. Norm-weight grads: each q / k program writes one [D]
+   fp32 partial row (its tiles, summed over heads and tokens) to ``[PQ + PK, D]``;
+   ``_sum_weight_partials_kernel`` sums rows [0, PQ) and [PQ, PQ + PK) in a fixed order.
+   grad_cos/sin: each tile writes its per-token sums over its heads to an fp32 workspace
+   ``[q head blocks + k head blocks, M, 2*D]``; ``_sum_cos_sin_kernel`` sums over head blocks
+   (outer) and, for a broadcast ``Bc == 1 < B``, over b (inner), rounding once. Neither workspace
+   is touched when its grads are not requested. The partials do not depend on the program count,
+   so grad_qkv and grad_cos/sin bits do not either (weight grads: within 1 ulp).
 
 2. ``qkv_projection_backward`` -- the two GEMMs ``grad_hidden = grad_qkv @ W`` and
    ``grad_W = grad_qkv.T @ hidden`` (+ optional bias grad). Large M: two cuBLAS calls (torch.mm),
@@ -61,7 +78,9 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    M_pad = 256. BLOCK_N = 64 (W tile 16 KB, enough bytes in flight per stage with 3 stages).
    SPLIT = SMs / k-tiles rounded (4 at K = 4096, BLOCK_K = 128 on 132 SMs: 128 programs), which
    costs a ``SPLIT * M * K * 4`` B workspace (8 MB at M = 128, mostly L2-resident).
-   ``FUSED_GEMM_MAX_M`` decides cuBLAS vs fused; set it from ``benchmarks/bench_backward.py``.
+   ``FUSED_GEMM_MAX_M`` decides cuBLAS vs fused: 0 since the H200 run of 2026-11-29 (fused 128 us vs
+   cuBLAS 47.6 us at M = 128, 79.5 vs 59.8 at M = 256), so ``auto`` is cuBLAS everywhere; the
+   kernel stays reachable with ``strategy="fused"``.
 
 Measured error (H200, all 16 cases of WORKLOADS.md B, vs a float64 autograd reference):
 to be filled by the lead from ``benchmarks/bench_backward.py`` (``rel_err`` column).
@@ -80,11 +99,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import round_to_bf16_opaque, round_to_fp16_opaque
+
 # ----------------------------------------------------------------------------------------------
 # Tunables (explicit, documented above; the lead sets them from benchmarks/bench_backward.py).
 # ----------------------------------------------------------------------------------------------
-ELEMENTWISE_PROGRAMS_PER_SM = 4
-FUSED_GEMM_MAX_M = 256  # largest M routed to the fused W-streaming kernel (must be <= 256)
+ELEMENTWISE_PROGRAMS_PER_SM = 12  # program-count target of the elementwise pass, per SM (~4 waves)
+ELEMENTWISE_MAX_TILES_PER_PROGRAM = 4  # cap on the token tiles one elementwise program walks
+ELEMENTWISE_TILE_ELEMENTS = 4096  # elements (heads x tokens x D) per elementwise tile
+ELEMENTWISE_NUM_WARPS = 4
+# Largest M routed to the fused W-streaming GEMM kernel (must be <= 256). 0: cuBLAS everywhere.
+# Measured H200 2026-11-29: fused 128 us vs cuBLAS 47.6 us at M = 128, 79.5 vs 59.8 at M = 256.
+FUSED_GEMM_MAX_M = 0
 _INTERPRETER_SMS = 2  # "SM count" under TRITON_INTERPRET=1: keeps the interpreter cheap
 
 _ROUND_NONE, _ROUND_BF16, _ROUND_FP16 = 0, 1, 2
@@ -204,73 +230,109 @@ def _sum_partials(ws: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor | N
 # 1. Elementwise pass: RMSNorm backward + RoPE backward for q and k, copy of v
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _heads_load(g_row, g_sh, q_row, q_sh, r_row, r_sh,
-                H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Issue the loads of one token's H head rows: grad halves, pre-RoPE q halves, rstd."""
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_HALF)
-    hmask = h < H
-    m2 = hmask[:, None] & (d < HALF)[None, :]
-    h64 = h.to(tl.int64)
-    g_off = h64[:, None] * g_sh + d[None, :]
-    q_off = h64[:, None] * q_sh + d[None, :]
-    g1 = tl.load(g_row + g_off, mask=m2, other=0.0)
-    g2 = tl.load(g_row + g_off + HALF, mask=m2, other=0.0)
-    q1 = tl.load(q_row + q_off, mask=m2, other=0.0)
-    q2 = tl.load(q_row + q_off + HALF, mask=m2, other=0.0)
-    r = tl.load(r_row + h64 * r_sh, mask=hmask, other=0.0)
-    return g1, g2, q1, q2, r
+def _rnd(x, ROUND: tl.constexpr, INTERP: tl.constexpr):
+    """``_round`` for the hot loop: one ``cvt.rn`` on the GPU (see rounding.py: a plain
+    ``.to(bf16).to(fp32)`` pair is folded away by the compiler), bit arithmetic in the interpreter."""
+    if ROUND == 1:
+        return round_to_bf16_opaque(x, INTERP)
+    elif ROUND == 2:
+        return round_to_fp16_opaque(x, INTERP)
+    else:
+        return x
 
 
 @triton.jit
-def _heads_backward(
-    g1, g2, q1, q2, r,  # loaded by _heads_load (model dtype; rstd any float dtype)
-    o_row,  # d(q_proj) row of this token: head h at o_row + h*D (contiguous heads)
-    w1, w2, c1, c2, s1, s2,  # [BLOCK_HALF] fp32 rows (weights, cos/sin halves)
-    H: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, ROUND: tl.constexpr,
+def _qk_tile(
+    g_ptr, g_sb, g_sh, g_ss,  # grad of the normed rows [B, H, S, D]
+    x_ptr, x_sb, x_ss, x_sh,  # pre-RoPE rows [B, S, H, D]
+    r_ptr, r_sb, r_sh, r_ss,  # rstd [B, H, S]
+    cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss,
+    w1, w2,  # [BLOCK_HALF] fp32 norm-weight halves
+    o_ptr, o_sb, o_ss,  # d(proj) [B, S, H*D]
+    cs_ptr,  # fp32 cos/sin partial rows of this head block: [M, 2*D] (NEED_CS)
+    h0, t0, M, S,
+    H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BH: tl.constexpr, BT: tl.constexpr,
+    ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
 ):
-    """Backward of w * rmsnorm(rope(q)) for the H heads of one token; stores d(q_proj) and returns
-    the per-token sums over heads (gw1, gw2, gc1, gc2, gs1, gs2), each [BLOCK_HALF] fp32."""
-    h = tl.arange(0, BLOCK_H)
+    """Backward of w * rmsnorm(rope(x)) on one [BH heads, BT tokens] tile, held as two
+    [BH, BT, D/2] fp32 half tiles (rotate_half is free). Stores d(proj), the cos/sin partial rows
+    (sums over this tile's heads) and returns the tile's norm-weight grad halves [BLOCK_HALF]."""
+    h = h0 + tl.arange(0, BH).to(tl.int64)
+    t = t0 + tl.arange(0, BT).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
-    m2 = (h < H)[:, None] & (d < HALF)[None, :]
-    # Upcast right after the load (the interpreter holds bf16 as raw bits).
+    hm = h < H
+    tm = t < M
+    if BLOCK_HALF == HALF:
+        dm = d < BLOCK_HALF  # all true, folded
+    else:
+        dm = d < HALF
+    b = t // S
+    s = t - b * S
+    m2 = tm[:, None] & dm[None, :]  # [BT, BLOCK_HALF]
+    m3 = hm[:, None, None] & m2[None, :, :]
+    d3 = d[None, None, :]
+
+    g_off = (h * g_sh)[:, None, None] + (b * g_sb + s * g_ss)[None, :, None] + d3
+    x_off = (h * x_sh)[:, None, None] + (b * x_sb + s * x_ss)[None, :, None] + d3
+    g1 = tl.load(g_ptr + g_off, mask=m3, other=0.0, eviction_policy="evict_first")
+    g2 = tl.load(g_ptr + g_off + HALF, mask=m3, other=0.0, eviction_policy="evict_first")
+    q1 = tl.load(x_ptr + x_off, mask=m3, other=0.0, eviction_policy="evict_first")
+    q2 = tl.load(x_ptr + x_off + HALF, mask=m3, other=0.0, eviction_policy="evict_first")
+    r = tl.load(r_ptr + h[:, None] * r_sh + (b * r_sb + s * r_ss)[None, :],
+                mask=hm[:, None] & tm[None, :], other=0.0)
+    # cos/sin as 2-D [BT, D/2] tiles, broadcast over heads (as in the forward kernel).
+    c_row = cos_ptr + (b * cos_sb + s * cos_ss)[:, None] + d[None, :]
+    s_row = sin_ptr + (b * sin_sb + s * sin_ss)[:, None] + d[None, :]
+    c1 = tl.load(c_row, mask=m2, other=0.0).to(tl.float32)[None, :, :]
+    c2 = tl.load(c_row + HALF, mask=m2, other=0.0).to(tl.float32)[None, :, :]
+    s1 = tl.load(s_row, mask=m2, other=0.0).to(tl.float32)[None, :, :]
+    s2 = tl.load(s_row + HALF, mask=m2, other=0.0).to(tl.float32)[None, :, :]
     g1 = g1.to(tl.float32)
     g2 = g2.to(tl.float32)
     q1 = q1.to(tl.float32)
     q2 = q2.to(tl.float32)
-    r = r.to(tl.float32)[:, None]
+    r = r.to(tl.float32)[:, :, None]
 
     # RoPE recomputed with eager's roundings: x = R(R(q*cos) + R(rotate_half(q)*sin)).
-    x1 = _round(_round(q1 * c1[None, :], ROUND) - _round(q2 * s1[None, :], ROUND), ROUND)
-    x2 = _round(_round(q2 * c2[None, :], ROUND) + _round(q1 * s2[None, :], ROUND), ROUND)
+    x1 = _rnd(_rnd(q1 * c1, ROUND, INTERP) - _rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
+    x2 = _rnd(_rnd(q2 * c2, ROUND, INTERP) + _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
 
     # y = w * R(x*r): weight grad (per element rounded like autograd's mul backward).
-    gw1 = _sum(_round(g1 * _round(x1 * r, ROUND), ROUND), 0)
-    gw2 = _sum(_round(g2 * _round(x2 * r, ROUND), ROUND), 0)
-    gn1 = _round(g1 * w1[None, :], ROUND)
-    gn2 = _round(g2 * w2[None, :], ROUND)
+    if NEED_W:
+        gw1 = _sum(_sum(_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP), 0), 0)
+        gw2 = _sum(_sum(_rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP), 0), 0)
+    else:
+        gw1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+        gw2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+    gn1 = _rnd(g1 * w1[None, None, :], ROUND, INTERP)
+    gn2 = _rnd(g2 * w2[None, None, :], ROUND, INTERP)
 
     # RMSNorm backward in fp32, rounded once (the x.float() cast's backward).
-    dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BLOCK_H]
-    coef = r * r * r * (dot / D)[:, None]
-    dx1 = _round(gn1 * r - x1 * coef, ROUND)
-    dx2 = _round(gn2 * r - x2 * coef, ROUND)
+    dot = _sum(gn1 * x1, 2) + _sum(gn2 * x2, 2)  # [BH, BT]
+    coef = r * r * r * (dot / D)[:, :, None]
+    dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
+    dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
 
     # cos/sin grads: t1 = q*cos -> dcos += dx*q; t2 = rotate_half(q)*sin -> dsin += dx*cat(-q2, q1).
-    gc1 = _sum(_round(dx1 * q1, ROUND), 0)
-    gc2 = _sum(_round(dx2 * q2, ROUND), 0)
-    gs1 = -_sum(_round(dx1 * q2, ROUND), 0)
-    gs2 = _sum(_round(dx2 * q1, ROUND), 0)
+    if NEED_CS:
+        gc1 = _sum(_rnd(dx1 * q1, ROUND, INTERP), 0)  # [BT, BLOCK_HALF]
+        gc2 = _sum(_rnd(dx2 * q2, ROUND, INTERP), 0)
+        gs1 = -_sum(_rnd(dx1 * q2, ROUND, INTERP), 0)
+        gs2 = _sum(_rnd(dx2 * q1, ROUND, INTERP), 0)
+        cs_row = cs_ptr + t[:, None] * (2 * D) + d[None, :]
+        tl.store(cs_row, gc1, mask=m2)
+        tl.store(cs_row + HALF, gc2, mask=m2)
+        tl.store(cs_row + D, gs1, mask=m2)
+        tl.store(cs_row + (D + HALF), gs2, mask=m2)
 
     # RoPE backward: dq = dx*cos + rotate_half^T(dx*sin), rotate_half^T(y) = cat(y2, -y1).
-    dq1 = _round(_round(dx1 * c1[None, :], ROUND) + _round(dx2 * s2[None, :], ROUND), ROUND)
-    dq2 = _round(_round(dx2 * c2[None, :], ROUND) - _round(dx1 * s1[None, :], ROUND), ROUND)
-    o_off = h.to(tl.int64)[:, None] * D + d[None, :]
-    tl.store(o_row + o_off, dq1, mask=m2)
-    tl.store(o_row + o_off + HALF, dq2, mask=m2)
-    return gw1, gw2, gc1, gc2, gs1, gs2
+    dq1 = _rnd(_rnd(dx1 * c1, ROUND, INTERP) + _rnd(dx2 * s2, ROUND, INTERP), ROUND, INTERP)
+    dq2 = _rnd(_rnd(dx2 * c2, ROUND, INTERP) - _rnd(dx1 * s1, ROUND, INTERP), ROUND, INTERP)
+    o_off = (h * D)[:, None, None] + (b * o_sb + s * o_ss)[None, :, None] + d3
+    tl.store(o_ptr + o_off, dq1, mask=m3)
+    tl.store(o_ptr + o_off + HALF, dq2, mask=m3)
+    return gw1, gw2
 
 
 @triton.jit
@@ -288,86 +350,140 @@ def _qk_norm_rope_bwd_kernel(
     dq_ptr, dq_sb, dq_ss,  # outputs: d(q_proj) [B, S, Hq*D], heads contiguous
     dk_ptr, dk_sb, dk_ss,
     dv_ptr, dv_sb, dv_ss,
-    gw_ws_ptr,  # [programs, 2*D] fp32 norm-weight partials
-    gc_ptr, gc_sb, gc_ss,  # grad_cos destination: output (Bc == B or B == 1) or fp32 workspace
-    gs_ptr, gs_sb, gs_ss,  # grad_sin destination
-    M, S, tokens_per_program,
+    gw_ws_ptr,  # [PQ + PK, D] fp32 norm-weight partials, one row per q / k program (NEED_W)
+    cs_ws_ptr,  # [NQB + NKB, M, 2*D] fp32 cos/sin partials per (head block, token) (NEED_CS)
+    M, S,
+    GQ, GK, GV,  # programs per head block (token groups) of q, k, v
+    NTT_Q, NTT_KV,  # token tiles of q, of k/v
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROUND: tl.constexpr, CS_ROUND: tl.constexpr,
-    NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BHQ: tl.constexpr, BTQ: tl.constexpr, BHK: tl.constexpr, BTK: tl.constexpr,
+    BHV: tl.constexpr, BTV: tl.constexpr,
+    ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
 ):
+    """1-D grid: [q programs | k programs | v programs]. Program (kind, head block hb, group g)
+    handles the token tiles g, g + G, g + 2G, ... of that head block (tiles of BH x BT rows)."""
     pid = tl.program_id(0)
+    NQB: tl.constexpr = (HQ + BHQ - 1) // BHQ
+    NKB: tl.constexpr = (HKV + BHK - 1) // BHK
+    PQ = NQB * GQ
+    PK = NKB * GK
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
-    wq1 = tl.load(wq_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    wq2 = tl.load(wq_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-    wk1 = tl.load(wk_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    wk2 = tl.load(wk_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-    gwq1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
-    gwq2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
-    gwk1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
-    gwk2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
-
-    hv = tl.arange(0, BLOCK_HKV).to(tl.int64)
-    dv_cols = tl.arange(0, BLOCK_D)
-    v_mask = (hv < HKV)[:, None] & (dv_cols < D)[None, :]
-
-    t_start = pid * tokens_per_program
-    t_end = tl.minimum(t_start + tokens_per_program, M)
-    for t in range(t_start, t_end):
-        b = (t // S).to(tl.int64)
-        s = (t % S).to(tl.int64)
-        # All loads of this token first (q, k, v, cos/sin, rstd), so they are in flight together.
-        cos_row = cos_ptr + b * cos_sb + s * cos_ss
-        sin_row = sin_ptr + b * sin_sb + s * sin_ss
-        c1 = tl.load(cos_row + d, mask=dmask, other=0.0)
-        c2 = tl.load(cos_row + HALF + d, mask=dmask, other=0.0)
-        s1 = tl.load(sin_row + d, mask=dmask, other=0.0)
-        s2 = tl.load(sin_row + HALF + d, mask=dmask, other=0.0)
-        gq1, gq2, qq1, qq2, rq = _heads_load(
-            gq_ptr + b * gq_sb + s * gq_ss, gq_sh, q_ptr + b * q_sb + s * q_ss, q_sh,
-            rq_ptr + b * rq_sb + s * rq_ss, rq_sh, HQ, BLOCK_HQ, HALF, BLOCK_HALF,
-        )
-        gk1, gk2, kk1, kk2, rk = _heads_load(
-            gk_ptr + b * gk_sb + s * gk_ss, gk_sh, k_ptr + b * k_sb + s * k_ss, k_sh,
-            rk_ptr + b * rk_sb + s * rk_ss, rk_sh, HKV, BLOCK_HKV, HALF, BLOCK_HALF,
-        )
-        v = tl.load(gv_ptr + b * gv_sb + s * gv_ss + hv[:, None] * gv_sh + dv_cols[None, :], mask=v_mask)
-        c1 = c1.to(tl.float32)
-        c2 = c2.to(tl.float32)
-        s1 = s1.to(tl.float32)
-        s2 = s2.to(tl.float32)
-
-        # v: a plain copy from [B, Hkv, S, D] into the projection layout (no upcast needed).
-        tl.store(dv_ptr + b * dv_sb + s * dv_ss + hv[:, None] * D + dv_cols[None, :], v, mask=v_mask)
-        qw1, qw2, qc1, qc2, qs1, qs2 = _heads_backward(
-            gq1, gq2, qq1, qq2, rq, dq_ptr + b * dq_sb + s * dq_ss,
-            wq1, wq2, c1, c2, s1, s2, HQ, BLOCK_HQ, D, HALF, BLOCK_HALF, ROUND,
-        )
-        kw1, kw2, kc1, kc2, ks1, ks2 = _heads_backward(
-            gk1, gk2, kk1, kk2, rk, dk_ptr + b * dk_sb + s * dk_ss,
-            wk1, wk2, c1, c2, s1, s2, HKV, BLOCK_HKV, D, HALF, BLOCK_HALF, ROUND,
-        )
+    if pid < PQ:
+        hb = pid // GQ
+        grp = pid - hb * GQ
+        w1 = tl.load(wq_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(wq_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        acc1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+        acc2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+        cs_blk = cs_ws_ptr + hb.to(tl.int64) * M * (2 * D)
+        for tt in range(grp, NTT_Q, GQ):
+            gw1, gw2 = _qk_tile(
+                gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss,
+                cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dq_ptr, dq_sb, dq_ss, cs_blk,
+                hb * BHQ, tt * BTQ, M, S,
+                HQ, D, HALF, BLOCK_HALF, BHQ, BTQ, ROUND, INTERP, NEED_W, NEED_CS,
+            )
+            acc1 += gw1
+            acc2 += gw2
         if NEED_W:
-            gwq1 += qw1
-            gwq2 += qw2
-            gwk1 += kw1
-            gwk2 += kw2
-        if NEED_CS:
-            gc_row = gc_ptr + b * gc_sb + s * gc_ss
-            gs_row = gs_ptr + b * gs_sb + s * gs_ss
-            tl.store(gc_row + d, _round(qc1 + kc1, CS_ROUND), mask=dmask)
-            tl.store(gc_row + HALF + d, _round(qc2 + kc2, CS_ROUND), mask=dmask)
-            tl.store(gs_row + d, _round(qs1 + ks1, CS_ROUND), mask=dmask)
-            tl.store(gs_row + HALF + d, _round(qs2 + ks2, CS_ROUND), mask=dmask)
+            row = gw_ws_ptr + pid.to(tl.int64) * D
+            tl.store(row + d, acc1, mask=dmask)
+            tl.store(row + HALF + d, acc2, mask=dmask)
+    elif pid < PQ + PK:
+        p = pid - PQ
+        hb = p // GK
+        grp = p - hb * GK
+        w1 = tl.load(wk_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+        w2 = tl.load(wk_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        acc1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+        acc2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+        cs_blk = cs_ws_ptr + (NQB + hb).to(tl.int64) * M * (2 * D)
+        for tt in range(grp, NTT_KV, GK):
+            gw1, gw2 = _qk_tile(
+                gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss,
+                cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dk_ptr, dk_sb, dk_ss, cs_blk,
+                hb * BHK, tt * BTK, M, S,
+                HKV, D, HALF, BLOCK_HALF, BHK, BTK, ROUND, INTERP, NEED_W, NEED_CS,
+            )
+            acc1 += gw1
+            acc2 += gw2
+        if NEED_W:
+            row = gw_ws_ptr + pid.to(tl.int64) * D
+            tl.store(row + d, acc1, mask=dmask)
+            tl.store(row + HALF + d, acc2, mask=dmask)
+    else:
+        # v: a plain copy from [B, Hkv, S, D] into the projection layout (no upcast).
+        p = pid - PQ - PK
+        hb = p // GV
+        grp = p - hb * GV
+        h = hb * BHV + tl.arange(0, BHV).to(tl.int64)
+        dv = tl.arange(0, BLOCK_D)
+        hdm = (h < HKV)[:, None, None] & (dv < D)[None, None, :]
+        for tt in range(grp, NTT_KV, GV):
+            t = tt * BTV + tl.arange(0, BTV).to(tl.int64)
+            b = t // S
+            s = t - b * S
+            m3 = hdm & (t < M)[None, :, None]
+            src = gv_ptr + (h * gv_sh)[:, None, None] + (b * gv_sb + s * gv_ss)[None, :, None] + dv[None, None, :]
+            val = tl.load(src, mask=m3, eviction_policy="evict_first")
+            dst = dv_ptr + (h * D)[:, None, None] + (b * dv_sb + s * dv_ss)[None, :, None] + dv[None, None, :]
+            tl.store(dst, val, mask=m3)
 
-    if NEED_W:
-        ws_row = gw_ws_ptr + pid.to(tl.int64) * (2 * D)
-        tl.store(ws_row + d, gwq1, mask=dmask)
-        tl.store(ws_row + HALF + d, gwq2, mask=dmask)
-        tl.store(ws_row + D + d, gwk1, mask=dmask)
-        tl.store(ws_row + D + HALF + d, gwk2, mask=dmask)
+
+@triton.jit
+def _sum_weight_partials_kernel(
+    ws_ptr,  # [PA + PB, L] fp32
+    out_a_ptr, out_b_ptr,  # rows [0, PA) -> out_a, rows [PA, PA + PB) -> out_b
+    PA, PB, L,
+    ROUND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Fixed-order sum of two row ranges (chunks of BLOCK_P rows, tree within a chunk)."""
+    pid = tl.program_id(0)
+    which = tl.program_id(1)
+    cols = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    cmask = cols < L
+    r0 = tl.where(which == 0, 0, PA)
+    P = tl.where(which == 0, PA, PB)
+    rows = tl.arange(0, BLOCK_P)
+    acc = tl.full([BLOCK_L], 0.0, tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        r = p0 + rows
+        tile = tl.load(ws_ptr + (r0 + r).to(tl.int64)[:, None] * L + cols[None, :],
+                       mask=(r < P)[:, None] & cmask[None, :], other=0.0)
+        acc += _sum(tile, 0)
+    acc = _round(acc, ROUND)
+    if which == 0:
+        tl.store(out_a_ptr + cols, acc, mask=cmask)
+    else:
+        tl.store(out_b_ptr + cols, acc, mask=cmask)
+
+
+@triton.jit
+def _sum_cos_sin_kernel(
+    ws_ptr,  # [NHB, M, 2*D] fp32 partial rows
+    gc_ptr, gs_ptr,  # grad_cos / grad_sin [Bc, S, D], contiguous
+    R, M, S, NHB, NB,  # R = Bc * S output rows; NB = B when Bc == 1 < B (sum over b), else 1
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_2D: tl.constexpr, ROUND: tl.constexpr,
+):
+    """grad_cos/sin[r] = sum over head blocks (outer) and b (inner) of ws[hb, b*S + r], fixed order."""
+    pid = tl.program_id(0)
+    r = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    c = tl.arange(0, BLOCK_2D)
+    mask = (r < R)[:, None] & (c < 2 * D)[None, :]
+    acc = tl.full([BLOCK_T, BLOCK_2D], 0.0, tl.float32)
+    row_hb = r  # int64 row of (hb, b = 0)
+    for hb in range(0, NHB):
+        row = row_hb
+        for bb in range(0, NB):
+            acc += tl.load(ws_ptr + row[:, None] * (2 * D) + c[None, :], mask=mask, other=0.0)
+            row += S
+        row_hb += M
+    acc = _round(acc, ROUND)
+    is_c = (c < D)[None, :]
+    tl.store(gc_ptr + r[:, None] * D + c[None, :], acc, mask=mask & is_c)
+    tl.store(gs_ptr + r[:, None] * D + (c - D)[None, :], acc, mask=mask & (c >= D)[None, :])
 
 
 def elementwise_supported(grad_q, grad_k, grad_v, q, k, cos, sin, q_weight, k_weight) -> bool:
@@ -440,7 +556,9 @@ def qk_norm_rope_backward_triton(
         grad_q_proj: [B, S, Hq*D] (or [B*S, Hq*D]); grad_k_proj, grad_v_proj: [B, S, Hkv*D]:
             preallocated outputs, written in full (typically views of one [M, qkv_size] buffer).
         need_weight_grad, need_cos_sin_grad: compute (and return) those grads.
-        num_programs: override the grid size (tests); default ``min(M, 4 * SMs)``.
+        num_programs: target program count (tests; no cap on the tiles per program); default
+            ``ELEMENTWISE_PROGRAMS_PER_SM * SMs`` with at most ``ELEMENTWISE_MAX_TILES_PER_PROGRAM``
+            tiles per program.
 
     Returns:
         (grad_q_weight [D], grad_k_weight [D], grad_cos [Bc, S, D], grad_sin [Bc, S, D]) in the
@@ -491,41 +609,38 @@ def qk_norm_rope_backward_triton(
         gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
         return gw[0], gw[1], gcs[0], gcs[1]
 
-    if num_programs is None:
-        num_programs = ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q)
-    programs = max(1, min(M, num_programs))
-    tokens_per_program = triton.cdiv(M, programs)
-    programs = triton.cdiv(M, tokens_per_program)
-
-    gw_ws = torch.empty((programs, 2 * D) if need_weight_grad else (1,), device=dev, dtype=torch.float32)
-
-    grad_cos = grad_sin = cs_ws = None
-    if need_cos_sin_grad:
-        grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
-        grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
-        if Bc == B:  # one cos row per token (also B == 1): store directly
-            gc, gs = grad_cos, grad_sin
-            gc_sb, gc_ss = (S * D, D) if B > 1 else (0, D)
-            cs_round = _ROUND_MODE[cos.dtype]
-        else:  # broadcast cos (Bc == 1 < B): per-token fp32 rows, summed over B afterwards
-            cs_ws = torch.empty((B, 2 * S * D), device=dev, dtype=torch.float32)
-            gc, gs = cs_ws[:, : S * D], cs_ws[:, S * D:]
-            gc_sb, gc_ss = 2 * S * D, D
-            cs_round = _ROUND_NONE
-    else:
-        gc = gs = gw_ws  # never written
-        gc_sb = gc_ss = 0
-        cs_round = _ROUND_NONE
-
     HALF = D // 2
-    BLOCK_HQ = triton.next_power_of_2(HQ)
-    BLOCK_HKV = triton.next_power_of_2(HKV)
     BLOCK_HALF = triton.next_power_of_2(HALF)
-    # 8 warps once a half tile of q reaches 2048 elements (32 heads x 64): ~8 fp32 per thread per
-    # live tile keeps the ~10 live tiles well inside the register file.
-    num_warps = 8 if BLOCK_HQ * BLOCK_HALF >= 2048 else 4
+    BLOCK_D = triton.next_power_of_2(D)
+    m_pow2 = triton.next_power_of_2(M)
 
-    _qk_norm_rope_bwd_kernel[(programs,)](
+    def tile(H: int, width: int) -> tuple[int, int]:
+        # heads: all heads of the kind up to TILE / width rows; tokens: the rest of the tile.
+        bh = min(triton.next_power_of_2(H), max(1, ELEMENTWISE_TILE_ELEMENTS // width))
+        bt = min(m_pow2, max(1, ELEMENTWISE_TILE_ELEMENTS // (bh * width)))
+        return bh, bt
+
+    BHQ, BTQ = tile(HQ, BLOCK_D)
+    BHK, BTK = tile(HKV, BLOCK_D)
+    BHV, BTV = BHK, BTK  # v tiles are k's (BLOCK_D == 2 * BLOCK_HALF for even D)
+    nqb, nkb = triton.cdiv(HQ, BHQ), triton.cdiv(HKV, BHK)
+    ntt_q, ntt_k = triton.cdiv(M, BTQ), triton.cdiv(M, BTK)
+    total_tiles = nqb * ntt_q + 2 * nkb * ntt_k
+    if num_programs is None:
+        target = ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q)
+        tiles_per_program = min(ELEMENTWISE_MAX_TILES_PER_PROGRAM, triton.cdiv(total_tiles, target))
+    else:  # tests: about num_programs programs, however many tiles each
+        tiles_per_program = triton.cdiv(total_tiles, max(1, num_programs))
+    tiles_per_program = max(1, tiles_per_program)
+    GQ = triton.cdiv(ntt_q, tiles_per_program)
+    GK = triton.cdiv(ntt_k, tiles_per_program)
+    PQ, PK, PV = nqb * GQ, nkb * GK, nkb * GK
+    gw_ws = torch.empty((PQ + PK, D) if need_weight_grad else (1,), device=dev, dtype=torch.float32)
+    cs_ws = torch.empty((nqb + nkb, M, 2 * D) if need_cos_sin_grad else (1,), device=dev,
+                        dtype=torch.float32)
+    interp = not q.is_cuda
+
+    _qk_norm_rope_bwd_kernel[(PQ + PK + PV,)](
         grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
         grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
         grad_v, grad_v.stride(0), grad_v.stride(1), grad_v.stride(2),
@@ -539,25 +654,36 @@ def qk_norm_rope_backward_triton(
         grad_q_proj, dq_sb, dq_ss,
         grad_k_proj, dk_sb, dk_ss,
         grad_v_proj, dv_sb, dv_ss,
-        gw_ws,
-        gc, gc_sb, gc_ss,
-        gs, gc_sb, gc_ss,
-        M, S, tokens_per_program,
-        HQ=HQ, HKV=HKV, D=D, HALF=HALF,
-        BLOCK_HQ=BLOCK_HQ, BLOCK_HKV=BLOCK_HKV, BLOCK_HALF=BLOCK_HALF,
-        BLOCK_D=triton.next_power_of_2(D),
-        ROUND=_ROUND_MODE[dtype], CS_ROUND=cs_round,
-        NEED_W=need_weight_grad, NEED_CS=need_cos_sin_grad,
-        num_warps=num_warps,
+        gw_ws, cs_ws,
+        M, S, GQ, GK, GK, ntt_q, ntt_k,
+        HQ=HQ, HKV=HKV, D=D, HALF=HALF, BLOCK_HALF=BLOCK_HALF, BLOCK_D=BLOCK_D,
+        BHQ=BHQ, BTQ=BTQ, BHK=BHK, BTK=BTK, BHV=BHV, BTV=BTV,
+        ROUND=_ROUND_MODE[dtype], INTERP=interp, NEED_W=need_weight_grad, NEED_CS=need_cos_sin_grad,
+        num_warps=ELEMENTWISE_NUM_WARPS,
     )
 
-    grad_qw = grad_kw = None
+    grad_qw = grad_kw = grad_cos = grad_sin = None
     if need_weight_grad:
         grad_qw = torch.empty((D,), device=dev, dtype=q_weight.dtype)
         grad_kw = torch.empty((D,), device=dev, dtype=k_weight.dtype)
-        _sum_partials(gw_ws, grad_qw, grad_kw)
-    if cs_ws is not None:
-        _sum_partials(cs_ws, grad_cos, grad_sin)
+        P = max(PQ, PK)
+        BLOCK_P = min(1024, triton.next_power_of_2(P))
+        BLOCK_L = max(8, min(triton.next_power_of_2(D), 8192 // BLOCK_P))
+        _sum_weight_partials_kernel[(triton.cdiv(D, BLOCK_L), 2)](
+            gw_ws, grad_qw, grad_kw, PQ, PK, D,
+            ROUND=_ROUND_MODE[q_weight.dtype], BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, num_warps=4,
+        )
+    if need_cos_sin_grad:
+        grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
+        grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
+        R = Bc * S
+        NB = B if Bc == 1 else 1
+        BLOCK_2D = triton.next_power_of_2(2 * D)
+        BLOCK_T = max(1, min(triton.next_power_of_2(R), 4096 // BLOCK_2D))
+        _sum_cos_sin_kernel[(triton.cdiv(R, BLOCK_T),)](
+            cs_ws, grad_cos, grad_sin, R, M, S, nqb + nkb, NB,
+            D=D, BLOCK_T=BLOCK_T, BLOCK_2D=BLOCK_2D, ROUND=_ROUND_MODE[cos.dtype], num_warps=4,
+        )
     return grad_qw, grad_kw, grad_cos, grad_sin
 
 

@@ -478,5 +478,4 @@ def register(pass_dict: PatternMatcherPass) -> None:
             scalar_workaround=scalars,
             exclusive_arg_names=tensor_names,
             search_fn_pattern=pattern,
-            pattern_name=f"{FAMILY}_{name}",
         )

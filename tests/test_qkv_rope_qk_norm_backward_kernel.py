@@ -202,6 +202,28 @@ def test_elementwise_program_count_does_not_change_bits():
     assert (a[1].float() - b[1].float()).abs().le(bf16_ulp(a[1])).all()
 
 
+def test_elementwise_small_tiles_several_head_blocks(monkeypatch):
+    """Tiles of 256 elements: 2 q head blocks, 1-token q tiles, programs walking several tiles;
+    Bc = 1 < B so grad_cos/sin sum partials over head blocks and batch. grad_qkv bits do not
+    depend on the tiling; the summed grads stay within 1 ulp."""
+    case = make_case(2, 7, 8, 2, 64, 1, torch.bfloat16, seed=7)
+    ref = run_kernel(*case, 8, 2, 64)
+    monkeypatch.setattr(kb, "ELEMENTWISE_TILE_ELEMENTS", 256)
+    monkeypatch.setattr(kb, "ELEMENTWISE_PROGRAMS_PER_SM", 2)
+    check_case(2, 7, 8, 2, 64, 1, torch.bfloat16, seed=7)
+    got = run_kernel(*case, 8, 2, 64)
+    assert torch.equal(got[0], ref[0])
+    for a, b in zip(got[1:], ref[1:]):
+        assert (a.float() - b.float()).abs().le(bf16_ulp(b)).all()
+
+
+@pytest.mark.parametrize("B,S,d,need_w,need_cs", [(1, 1, 64, True, True), (2, 3, 48, True, True),
+                                                 (1, 4, 48, False, False)])
+def test_elementwise_edge_shapes(B, S, d, need_w, need_cs):
+    # a single token (M = 1); head_dim 48 (half 24 padded to 32: masked feature tail)
+    check_case(B, S, 2, 1, d, 1, torch.bfloat16, need_w=need_w, need_cs=need_cs)
+
+
 def test_elementwise_accepts_workload_rstd_layout():
     """WORKLOADS.md B passes rstd as bf16 [B, H, S, 1]: upcast; error bounded by rstd's rounding."""
     case = make_case(2, 5, 4, 2, 64, 2, torch.bfloat16, seed=1)
