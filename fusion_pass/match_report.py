@@ -69,7 +69,7 @@ def report() -> str:
     for family in ALL_FAMILIES:
         if counts.get(family):
             lines.append(f"  {family}: {counts[family]} ({DESCRIPTIONS[family]})")
-    if not total:
+    if not total and not _near_misses:
         lines.append("  (nothing matched: is fusion_pass installed, the device type enabled, "
                      "and the FX graph cache cold? see README 'Troubleshooting')")
     if _near_misses:

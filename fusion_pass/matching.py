@@ -12,7 +12,11 @@ already replaced), and ``creates_cycle`` rejects any pairing that would still be
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
@@ -20,6 +24,13 @@ from torch._inductor.pattern_matcher import (
     get_mutation_region_id,
     is_match,
 )
+
+
+log = logging.getLogger(__name__)
+
+# Inductor's own switch: TORCHINDUCTOR_PATTERN_MATCH_DEBUG=<node name>[,<node name>...] prints
+# why the patterns did or did not match at those nodes.
+_DEBUG_NODES = frozenset(filter(None, os.environ.get("TORCHINDUCTOR_PATTERN_MATCH_DEBUG", "").split(",")))
 
 
 def creates_cycle(match: Match) -> bool:
@@ -55,11 +66,15 @@ def apply_first_to_last(pass_dict: PatternMatcherPass, graph: torch.fx.Graph) ->
                 if node._erased:
                     break
                 match = entry.pattern.match(node)
+                if node.name in _DEBUG_NODES:
+                    log.warning("%s%s %s %s", node, node.args, match, entry.pattern)
                 if not is_match(match):
                     continue
                 if len({get_mutation_region_id(graph, n) for n in match.nodes}) != 1:
                     continue  # the match crosses a mutation barrier
-                if creates_cycle(match) or not entry.extra_check(match):
+                if len({n.meta.get("custom", {}).get("stream", 0) for n in match.nodes}) != 1:
+                    continue  # the match crosses a stream boundary
+                if creates_cycle(match) or not guard_or_false(entry.extra_check(match)):
                     continue
                 entry.apply(match, graph, node)
                 compute_mutation_region_ids(graph)

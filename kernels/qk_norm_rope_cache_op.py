@@ -80,6 +80,8 @@ def check_qk_norm_rope_cache_args(
             fail(name, f"a cache length L >= S={seq} (the cache is too short)", cache.shape[2])
         if cache.dtype != k.dtype:
             fail(name, f"k's dtype {k.dtype}", cache.dtype)
+    if v_cache.shape[2] != k_cache.shape[2]:  # the kernel bounds both writes by one length
+        fail("v_cache", f"k_cache's length L={k_cache.shape[2]}", v_cache.shape[2])
     if cache_position.dim() != 1 or cache_position.shape[0] != seq:
         fail("cache_position", f"shape [S={seq}]", f"shape {tuple(cache_position.shape)}")
     if cache_position.dtype not in (torch.int64, torch.int32):
@@ -121,8 +123,9 @@ def qk_norm_rope_cache(
         q_weight, k_weight: [D] RMSNorm weights, q's dtype.
         cos, sin: [B or 1, S, D] rotary tables in q's dtype (as the rotary module returns them).
         k_cache, v_cache: [B, Hkv, L, D] caches, updated in place at ``cache_position``.
-        cache_position: [S] int64 cache rows to write; rows outside [0, L) are skipped, never
-            written out of bounds.
+        cache_position: [S] int64 cache rows to write. Negative positions count from the end
+            (Python indexing, like ``cache[:, :, pos] = x``); positions outside [-L, L) are
+            skipped, never written out of bounds (``index_copy_`` would raise instead).
         q_eps, k_eps: the two norms' epsilons.
 
     Returns:

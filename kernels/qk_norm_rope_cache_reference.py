@@ -31,11 +31,14 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def write_cache_rows_reference(cache: torch.Tensor, cache_position: torch.Tensor, rows: torch.Tensor) -> None:
-    """``cache[:, :, cache_position[s]] = rows[:, :, s]``; positions outside [0, L) are skipped.
+    """``cache[:, :, cache_position[s]] = rows[:, :, s]``.
 
-    cache [B, H, L, D], cache_position [S] int64, rows [B, H, S, D].
+    Negative positions count from the end (Python indexing, as ``cache[:, :, pos] = x`` does);
+    positions outside [-L, L) are skipped. cache [B, H, L, D], cache_position [S] int64,
+    rows [B, H, S, D].
     """
     length = cache.shape[2]
+    cache_position = torch.where(cache_position < 0, cache_position + length, cache_position)
     valid = (cache_position >= 0) & (cache_position < length)
     if bool(valid.all()):
         cache.index_copy_(2, cache_position.long(), rows)

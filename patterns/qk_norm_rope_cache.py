@@ -49,6 +49,7 @@ import operator
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
@@ -60,7 +61,7 @@ from torch._inductor.pattern_matcher import (
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
-from fusion_pass.kernels.qk_norm_rope_cache_op import unsupported_reason
+from fusion_pass.kernels.qk_norm_rope_cache_op import check_qk_norm_rope_cache_args, unsupported_reason
 from fusion_pass.matching import apply_first_to_last
 
 FAMILY = "qk_norm_rope_cache"
@@ -180,13 +181,22 @@ def _check(match: Match, norm_before_transpose: bool) -> bool:
         return False
     if k.shape[1] == 0 or q_heads % k.shape[1]:
         return False
-    if "cache_position" in match.kwargs:
-        position = _val(match, "cache_position")
-        if position.dim() != 1 or position.shape[0] != seq or position.dtype not in (torch.int64, torch.int32):
-            return False
+    position = _val(match, "cache_position")
+    if position.dim() != 1 or position.shape[0] != seq or position.dtype not in (torch.int64, torch.int32):
+        return False
     reason = unsupported_reason(head_dim, q.dtype)
+    if reason is None:
+        # Everything else the op requires (contiguous last dims, cache length, devices): a
+        # graph the op would reject is left unfused, not failed at compile time.
+        try:
+            check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos.squeeze(1), sin.squeeze(1),
+                                          k_cache, v_cache, position)
+        except ValueError as error:
+            reason = str(error).removeprefix("fusion_pass.qk_norm_rope_cache: ")
     if reason is not None:
         match_report.record_near_miss(FAMILY, reason)
+        for node in match.nodes:  # reported once, with its reason: not again as a bare norm -> RoPE
+            node.meta[_REJECTED] = True
         return False
     return True
 
@@ -245,6 +255,8 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
 # --- near-misses: a per-head norm -> RoPE that no fusion consumed -----------------------------
 
 _NO_CACHE_WRITE = "per-head RMSNorm -> RoPE without a matching K/V cache write (left unfused)"
+# Node meta key: the whole fusion matched here and was refused, with a reason already reported.
+_REJECTED = "fusion_pass_qk_norm_rope_cache_refused"
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,7 +265,8 @@ def _near_miss_pass():
     near_misses = PatternMatcherPass(pass_name="fusion_pass_qk_norm_rope_cache_near_misses")
 
     def report_only(match: Match, *args, **kwargs) -> None:
-        match_report.record_near_miss(FAMILY, _NO_CACHE_WRITE)
+        if not any(node.meta.get(_REJECTED) for node in match.nodes):
+            match_report.record_near_miss(FAMILY, _NO_CACHE_WRITE)
 
     def norm_rope(norm_before_transpose):
         def search(x, weight, cos, sin, eps):
@@ -288,7 +301,9 @@ def drop_batch_of_one_reshapes(graph: torch.fx.Graph) -> None:
         if not (isinstance(value, torch.fx.Node) and value.target is aten.reshape.default):
             continue
         source = value.args[0]
-        if not isinstance(source, torch.fx.Node) or "val" not in source.meta:
+        if not isinstance(source, torch.fx.Node) or "val" not in source.meta or "val" not in value.meta:
+            continue
+        if not fusion_config.device_allowed(source.meta["val"].device):
             continue
         before, after = source.meta["val"].shape, value.meta["val"].shape
         if len(before) == 4 and before[0] == 1 and tuple(before[1:]) == tuple(after):
@@ -299,7 +314,11 @@ def drop_batch_of_one_reshapes(graph: torch.fx.Graph) -> None:
 
 def _slice_write_parts(node: torch.fx.Node):
     """(cache, value, start, end) of ``slice_scatter(cache, copy(cache[:, :, start:end], value), 2,
-    start, end)`` (what ``cache[:, :, start:end] = value`` functionalizes to), else None."""
+    start, end)`` (what ``cache[:, :, start:end] = value`` functionalizes to), else None.
+
+    start/end come back as non-negative row indices with end - start = S: negative int bounds
+    are normalized as Python slicing does; symbolic bounds must be provably non-negative.
+    """
     cache, src, *rest = node.args
     dim, start, end, step = (list(rest) + [0, None, None, 1][len(rest):])[:4]
     if dim != 2 or step != 1 or start is None or end is None:
@@ -310,9 +329,22 @@ def _slice_write_parts(node: torch.fx.Node):
     if not (isinstance(rows, torch.fx.Node) and rows.target is aten.slice.Tensor
             and tuple(rows.args) == (cache, 2, start, end)):
         return None
-    if not isinstance(value, torch.fx.Node) or tuple(value.meta["val"].shape) != tuple(src.meta["val"].shape):
+    if not isinstance(value, torch.fx.Node) or "val" not in value.meta or "val" not in src.meta:
+        return None
+    if tuple(value.meta["val"].shape) != tuple(src.meta["val"].shape):
         return None  # a broadcasting assignment is not a row write
-    return cache, value, start, end
+    bounds = []
+    for bound in (start, end):
+        if isinstance(bound, int):
+            length = cache.meta["val"].shape[2]
+            if not isinstance(length, int):
+                return None
+            bound = min(max(bound + length, 0) if bound < 0 else bound, length)
+        elif not (isinstance(bound, torch.fx.Node)
+                  and statically_known_true(bound.meta.get("val", -1) >= 0)):
+            return None
+        bounds.append(bound)
+    return cache, value, bounds[0], bounds[1]
 
 
 def canonicalize_slice_writes(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
@@ -327,6 +359,8 @@ def canonicalize_slice_writes(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node
             continue
         cache, value, start, end = parts
         device = cache.meta["val"].device
+        if not fusion_config.device_allowed(device):
+            continue
         key = (start, end, device)
         with graph.inserting_before(node):
             if key not in positions:

@@ -40,15 +40,15 @@ def test_matches_reference_and_keeps_eager_layout():
     assert torch.equal(args["k_cache"], ref["k_cache"]) and torch.equal(args["v_cache"], ref["v_cache"])
 
 
-def test_positions_outside_the_cache_are_skipped():
-    args = make_args(seq=4, cache_len=6)
-    args["cache_position"] = torch.tensor([5, 6, -1, 0])  # 6 and -1 are outside [0, 6)
+def test_negative_positions_count_from_the_end_and_outside_ones_are_skipped():
+    args = make_args(seq=5, cache_len=6)
+    args["cache_position"] = torch.tensor([5, 6, -2, 0, -7])  # 6 and -7 are outside [-6, 6)
     before_k, before_v = args["k_cache"].clone(), args["v_cache"].clone()
     q_out, k_out = op(**args)
-    for pos, s in ((5, 0), (0, 3)):
+    for pos, s in ((5, 0), (4, 2), (0, 3)):
         assert torch.equal(args["k_cache"][:, :, pos], k_out[:, :, s])
         assert torch.equal(args["v_cache"][:, :, pos], args["v"][:, :, s])
-    untouched = [1, 2, 3, 4]
+    untouched = [1, 2, 3]
     assert torch.equal(args["k_cache"][:, :, untouched], before_k[:, :, untouched])
     assert torch.equal(args["v_cache"][:, :, untouched], before_v[:, :, untouched])
 
@@ -62,6 +62,7 @@ def test_positions_outside_the_cache_are_skipped():
         (lambda a: a.update(k=a["k"][..., :8], v=a["v"][..., :8]), "k", "D=16"),
         (lambda a: a.update(k_cache=a["k_cache"][:, :, :3]), "k_cache", "too short"),
         (lambda a: a.update(v_cache=a["v_cache"].to(torch.float16)), "v_cache", "dtype"),
+        (lambda a: a.update(v_cache=a["v_cache"][:, :, :8]), "v_cache", "k_cache's length"),
         (lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3)), "q", "contiguous last dim"),
         (lambda a: a.update(cos=a["cos"][:, :3]), "cos", "shape"),
         (lambda a: a.update(cache_position=a["cache_position"].float()), "cache_position", "dtype"),

@@ -78,6 +78,32 @@ def test_cos_shared_over_batch_fuses():
     assert torch.equal(q_out, q_ref)
 
 
+@pytest.mark.parametrize("cache_write", ["index_put", "slice"])
+def test_negative_positions_write_the_rows_eager_writes(cache_write):
+    """``cache[:, :, pos] = k`` and ``cache[:, :, -7:-2] = k`` count from the end of the cache."""
+    model = Qwen3StylePrologue(cache_write=cache_write).to(torch.bfloat16)
+    inputs = list(make_inputs(seq=5))
+    inputs[5] = -7 if cache_write == "slice" else torch.arange(-7, -2)
+    (q_ref, _), ref_inputs = reference(model, inputs)
+    (q_out, _), _ = run_compiled(model, inputs)
+    assert fused_count() == 1
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+def test_a_layout_the_op_rejects_is_left_unfused_not_a_compile_error():
+    model = Qwen3StylePrologue().to(torch.bfloat16)
+    inputs = list(make_inputs())
+    # Same values, but cos/sin with a non-contiguous last dim: the op requires stride(-1) == 1.
+    inputs[1] = inputs[1].transpose(1, 2).contiguous().transpose(1, 2)
+    inputs[2] = inputs[2].transpose(1, 2).contiguous().transpose(1, 2)
+    (q_ref, _), ref_inputs = reference(model, inputs)
+    (q_out, _), _ = run_compiled(model, inputs)
+    assert fused_count() == 0
+    assert "contiguous last dim" in fusion_pass.report()
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+
+
 def test_different_eps_per_norm_are_both_honoured():
     model = Qwen3StylePrologue(q_eps=1e-2, k_eps=3e-1).to(torch.bfloat16)
     inputs = make_inputs()
@@ -127,6 +153,7 @@ def test_unsupported_head_dim_is_a_reported_near_miss():
     (q_out, _), _ = run_compiled(model, inputs)
     assert fused_count() == 0
     assert "head_dim 24 is not a power of two" in fusion_pass.report()
+    assert "without a matching K/V cache write" not in fusion_pass.report()  # one reason, the right one
     torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
 
 
