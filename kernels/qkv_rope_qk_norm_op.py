@@ -30,8 +30,9 @@ applies a second forward rotation there, so its grad_cos / grad_sin differ from 
 would cost one more [B, S, H, D] tensor per q and k in memory.
 
 On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the backward runs the Triton kernels of
-``qkv_rope_qk_norm_backward_triton`` when that module is importable; elsewhere, and until it lands,
-the PyTorch reference (``qkv_rope_qk_norm_reference``), which has the same function signatures.
+``qkv_rope_qk_norm_backward_triton`` (imported with this module: a broken import fails loudly
+instead of silently sending CUDA training to the slow path); elsewhere the PyTorch reference
+(``qkv_rope_qk_norm_reference``), which has the same function signatures.
 The forward runs the PyTorch reference on every device (one GEMM, or three, plus eager
 elementwise ops; a fused Triton forward is future work). For a fused weight its v output is a
 copy of the v columns (outputs of a custom op may not alias each other or the saved output).
@@ -46,6 +47,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .qkv_rope_qk_norm_backward_triton import (
+    qk_norm_rope_backward_triton,
+    qkv_projection_backward,
+    separate_projections_backward,
+)
 from .qkv_rope_qk_norm_reference import (
     qk_norm_rope_backward_reference,
     qkv_projection_backward_reference,
@@ -307,25 +313,13 @@ _REFERENCE = (qk_norm_rope_backward_reference, qkv_projection_backward_reference
               separate_projections_backward_reference)
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_backward() -> tuple[Callable, Callable, Callable] | None:
-    """The Triton kernels' entry points, or None while ``qkv_rope_qk_norm_backward_triton`` is absent."""
-    try:
-        from .qkv_rope_qk_norm_backward_triton import (
-            qk_norm_rope_backward_triton,
-            qkv_projection_backward,
-            separate_projections_backward,
-        )
-    except ImportError:
-        return None
-    return qk_norm_rope_backward_triton, qkv_projection_backward, separate_projections_backward
+_TRITON = (qk_norm_rope_backward_triton, qkv_projection_backward, separate_projections_backward)
 
 
 def backward_implementation(t: Tensor) -> tuple[Callable, Callable, Callable]:
     """(elementwise backward, fused-projection backward, separate-projections backward) for
     tensors like ``t``: the Triton kernels, or the references (same signatures)."""
-    kernels = _triton_backward() if _use_triton(t) else None
-    return kernels if kernels is not None else _REFERENCE
+    return _TRITON if _use_triton(t) else _REFERENCE
 
 
 @torch.library.custom_op("fusion_pass::qkv_rope_qk_norm_backward", mutates_args=())

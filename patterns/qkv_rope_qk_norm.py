@@ -192,10 +192,12 @@ def _separate_qkv_replacement(
 # real shapes, because with dynamic B or S that re-trace puts the SymInt arithmetic of the
 # linear's view (``B * S``) into the pattern, where its users never agree with the real graph
 # ("multiple_users"). Every int of the pattern is therefore a wildcard, and the checks below
-# verify what the re-trace would have: the rotation halves, the norm's reduction and exponent,
-# the casts, the head layout, the split, and the geometry of every bound tensor. The backward
-# nodes of a match are autograd's derivative of its forward nodes, so checking the forward
-# semantics (plus the dims of the backward's slices and concatenations) suffices.
+# verify what the re-trace would have: the rotation halves AND their roles (which half is negated
+# and where each goes: ``cat((-x1, x2))`` has the same ops and ints as rotate_half's
+# ``cat((-x2, x1))``), the norm's reduction and exponent, the casts, the head layout, the split,
+# and the geometry of every bound tensor. In joint matches the backward's rotate_half routing
+# (which gradient half is negated, which half of x it is scattered into) is checked as well,
+# rather than assumed to be autograd's derivative of the checked forward.
 # ----------------------------------------------------------------------------------------------
 
 aten = torch.ops.aten
@@ -236,10 +238,85 @@ def _is_last_dim(node: Any, dim: Any) -> bool:
     return isinstance(value, torch.Tensor) and isinstance(dim, int) and dim in (-1, value.dim() - 1)
 
 
-def _semantics_problem(match: Match, head_dim: int, dtype: torch.dtype) -> str | None:
-    """What in the matched nodes differs from the modelled code (None: nothing)."""
+def _slice_bounds(node: Any) -> tuple[Any, Any, Any, Any, Any] | None:
+    """(input, dim, start, end, step) of an ``aten.slice.Tensor`` node; None for anything else."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is aten.slice.Tensor):
+        return None
+    x, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    return x, dim, start, end, step
+
+
+def _half_of(node: Any, head_dim: int) -> tuple[str, Any] | None:
+    """(``"first"`` for ``x[..., :D/2]`` / ``"second"`` for ``x[..., D/2:]``, x) when ``node`` is
+    a slice of one half of x's last dim ([0:D/2] or [D/2:end >= D], step 1); None otherwise."""
+    bounds = _slice_bounds(node)
+    if bounds is None:
+        return None
+    x, dim, start, end, step = bounds
+    return _which_half(x, dim, start, end, step, head_dim)
+
+
+def _which_half(x: Any, dim: Any, start: Any, end: Any, step: Any, head_dim: int) -> tuple[str, Any] | None:
     half = head_dim // 2
-    halves = ((0, half), (half, None))  # (start, end); None: any end >= head_dim
+    if not _is_last_dim(x, dim) or step != 1:
+        return None
+    if start in (0, None) and end == half:
+        return "first", x
+    if start == half and (end is None or (isinstance(end, int) and end >= head_dim)):
+        return "second", x
+    return None
+
+
+def _is_neg(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is aten.neg.default
+
+
+def _rotate_half_problem(cat: torch.fx.Node, head_dim: int) -> str | None:
+    """A forward ``cat`` of the match must be rotate_half's ``cat((-x[..., D/2:], x[..., :D/2]), -1)``:
+    the negated slice is the SECOND half and comes first, the plain slice is the FIRST half, both of
+    one x. (The pre-traced pattern's slice ints are wildcards: ``cat((-x1, x2))`` has the same ops.)"""
+    parts = cat.args[0]
+    if len(parts) != 2 or not _is_neg(parts[0]):
+        return "a concatenation that is not rotate_half's cat((-x2, x1))"
+    negated, plain = _half_of(parts[0].args[0], head_dim), _half_of(parts[1], head_dim)
+    if negated is None or plain is None or negated[1] is not plain[1]:
+        return "rotate_half's concatenated slices are not the two halves of one tensor"
+    if (negated[0], plain[0]) != ("second", "first"):
+        return f"rotate_half as cat((-{negated[0]} half, {plain[0]} half)), not cat((-second, first))"
+    return None
+
+
+def _rotate_half_grad_problem(scatter: torch.fx.Node, head_dim: int) -> str | None:
+    """A backward ``slice_scatter`` of the match must route rotate_half's gradient g back to x:
+    ``-g[..., :D/2]`` into x's [D/2:] (x2 went to the first half, negated) and ``g[..., D/2:]``
+    into x's [:D/2] (x1 went to the second half), each into zeros."""
+    base, src = scatter.args[0], scatter.args[1]
+    dim, start, end, step = (list(scatter.args[2:]) + [0, None, None, 1][len(scatter.args) - 2:])[:4]
+    target = _which_half(base, dim, start, end, step, head_dim)
+    if not (isinstance(base, torch.fx.Node) and base.target is aten.full.default and base.args[1] == 0):
+        return "a slice_scatter into something other than zeros"
+    if target is None:
+        return "a slice_scatter outside the halves of the head dim"
+    negated = _is_neg(src)
+    source = _half_of(src.args[0] if negated else src, head_dim)
+    if source is None:
+        return "a slice_scatter of something other than a half of the rotate_half gradient"
+    # g[..., D/2:] (plain) -> x[..., :D/2];  -g[..., :D/2] -> x[..., D/2:]
+    expected = {"first": ("second", False), "second": ("first", True)}[target[0]]
+    if (source[0], negated) != expected:
+        return (f"rotate_half gradient routed as {'-' if negated else ''}g[{source[0]} half] -> "
+                f"x[{target[0]} half] (not the derivative of cat((-x2, x1)))")
+    return None
+
+
+def _semantics_problem(match: Match, head_dim: int, dtype: torch.dtype) -> str | None:
+    """What in the matched nodes differs from the modelled code (None: nothing).
+
+    Beyond the per-node checks (every slice at one of the halves, every reduction over the head
+    dim, ...), the roles of the rotation's nodes: which half is negated and where each half goes,
+    in the forward ``cat`` and in the backward's ``slice_scatter`` routing (joint matches)."""
+    half = head_dim // 2
+    grad_roles: dict[Any, list[str]] = collections.defaultdict(list)
     for node in match.nodes:
         target, args = node.target, node.args
         if target in (aten.slice.Tensor, aten.slice_scatter.default):
@@ -248,12 +325,21 @@ def _semantics_problem(match: Match, head_dim: int, dtype: torch.dtype) -> str |
             step = rest[3] if len(rest) > 3 else 1
             if not _is_last_dim(x, dim) or step != 1:
                 return "a slice outside the head dim"
-            if not any(start == a and (end == b if b is not None else isinstance(end, int) and end >= head_dim)
-                       for a, b in halves):
+            if _which_half(x, dim, start, end, step, head_dim) is None:
                 return f"rotate_half split at [{start}:{end}], not at head_dim / 2 = {half}"
+            if target is aten.slice_scatter.default:
+                problem = _rotate_half_grad_problem(node, head_dim)
+                if problem is not None:
+                    return problem
+                src = args[1].args[0] if _is_neg(args[1]) else args[1]
+                grad_roles[src.args[0]].append("neg" if _is_neg(args[1]) else "plain")
         elif target is aten.cat.default:
             if not _is_last_dim(args[0][0], args[1] if len(args) > 1 else 0):
                 return "a concatenation outside the last dim"
+            if len(args[0]) != 3:  # 3: the QKV split's backward; anything else: rotate_half
+                problem = _rotate_half_problem(node, head_dim)
+                if problem is not None:
+                    return problem
         elif target is aten.split_with_sizes.default:
             if not _is_last_dim(args[0], args[2] if len(args) > 2 else 0):
                 return "the QKV split is not over the last dim"
@@ -270,6 +356,9 @@ def _semantics_problem(match: Match, head_dim: int, dtype: torch.dtype) -> str |
         elif target is torch.ops.prims.convert_element_type.default:
             if args[1] not in (torch.float32, dtype):
                 return f"a cast to {args[1]}"
+    # Each rotate_half gradient is split into exactly one negated and one plain half.
+    if any(sorted(roles) != ["neg", "plain"] for roles in grad_roles.values()):
+        return "the rotate_half gradient's halves are not routed once each"
     return None
 
 

@@ -54,12 +54,47 @@ def _lookalike_rotate(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., cut:], x[..., :cut]), dim=-1)
 
 
+def swapped_rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """rotate_half with the halves' roles swapped: cat((-x1, x2)) instead of cat((-x2, x1)). Same
+    ops, same slice ints, same half boundary; only which slice is negated and which goes first
+    differs (the pattern's pre-traced ints are wildcards: only role checks tell them apart)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., :half], x[..., half:]), dim=-1)
+
+
+class _RotateHalfSwappedGrad(torch.autograd.Function):
+    """rotate_half's forward (``cat((-x2, x1))``) with the backward of ``cat((-x1, x2))``: the
+    gradient halves routed to the other halves of x, through the same ops autograd's derivative
+    uses (``slice_backward``: zeros + slice_scatter). The forward is the modelled code (no_grad
+    graphs may fuse it); a joint graph must not, or the custom gradient is silently replaced."""
+
+    @staticmethod
+    def forward(ctx, x):
+        half = x.shape[-1] // 2
+        ctx.shape = x.shape
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dim = ctx.shape, len(ctx.shape) - 1
+        half = shape[-1] // 2
+        return (torch.ops.aten.slice_backward(-grad[..., :half], shape, dim, 0, half, 1)
+                + torch.ops.aten.slice_backward(grad[..., half:], shape, dim, half, shape[-1], 1))
+
+
+_LOOKALIKE_ROTATIONS = {"quarter_rotate": _lookalike_rotate, "swapped_halves": swapped_rotate_half,
+                        "swapped_grad": _RotateHalfSwappedGrad.apply}
+
+
 class FusedQKVAttention(nn.Module):
     """HunyuanImage-3-style attention block with one fused QKV projection.
 
     lookalike (structure that must not be fused): ``"norm_before_rope"``, ``"full_width_norm"``
     (one RMSNorm over the whole projection width, then heads), ``"grouped_split"`` (the official
-    HunyuanImage-3.0 layout: rows grouped per kv head [q * G, k, v]), ``"quarter_rotate"``.
+    HunyuanImage-3.0 layout: rows grouped per kv head [q * G, k, v]), ``"quarter_rotate"``,
+    ``"swapped_halves"`` (rotate_half as ``cat((-x1, x2))``: the same slices in other roles),
+    ``"swapped_grad"`` (rotate_half with a custom backward routing the halves the other way:
+    training only, its forward is the modelled code).
     """
 
     def __init__(self, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, bias=False, eps=EPS,
@@ -94,12 +129,13 @@ class FusedQKVAttention(nn.Module):
             value = v.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         if self.lookalike == "norm_before_rope":
             query, key = self.query_layernorm(query), self.key_layernorm(key)
-        if self.lookalike == "quarter_rotate":
+        if self.lookalike in _LOOKALIKE_ROTATIONS:
+            rotate = _LOOKALIKE_ROTATIONS[self.lookalike]
             c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-            query, key = query * c + _lookalike_rotate(query) * s, key * c + _lookalike_rotate(key) * s
+            query, key = query * c + rotate(query) * s, key * c + rotate(key) * s
         else:
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if self.lookalike in (None, "grouped_split", "quarter_rotate"):
+        if self.lookalike in (None, "grouped_split", *_LOOKALIKE_ROTATIONS):
             query, key = self.query_layernorm(query), self.key_layernorm(key)
         if self.consumer == "bshd":
             # Not attention: a consumer whose gradients for q, k and v arrive [B, S, H, D]-ordered,

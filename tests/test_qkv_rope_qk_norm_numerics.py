@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import importlib.util
 import os
 import subprocess
 import sys
@@ -39,6 +38,15 @@ from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYu
 
 FAMILY = "qkv_rope_qk_norm"
 qkv_rope_qk_norm = torch.ops.fusion_pass.qkv_rope_qk_norm
+
+# max |grad - grad_autograd| / max |grad_autograd| over the gradients of one test: a few ulps of
+# the largest entry (d(qkv) is rounded where autograd rounds; the GEMMs and the sums over heads
+# accumulate in another order). Measured worst at the tests' inputs (conftest seeds 0), in
+# test_op_matches_the_eager_model_code: bf16 7.35e-3, fp16 1.28e-3 (the other tests: below
+# those). These bounds hold for those inputs, not for any inputs: over seeds 0-19 of
+# test_op_matches_the_eager_model_code the worst case reached 1.5e-2 (bf16, median 7e-3) and
+# 1.6e-3 (fp16). Changing the inputs of a test may therefore need a re-measured bound.
+GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1.5e-3}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,10 +167,11 @@ def test_op_matches_the_eager_model_code(structure, bias, batch_cos, dtype):
     grads = [torch.randn_like(e) for e in expected]
     want = torch.autograd.grad(expected, flat, grads)
     have = torch.autograd.grad(got, flat, grads)
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+    errors = []
     for w, h in zip(want, have):
         assert h.shape == w.shape and h.dtype == w.dtype
-        assert ((h.float() - w.float()).abs().max() / w.float().abs().max()).item() < tolerance
+        errors.append(((h.float() - w.float()).abs().max() / w.float().abs().max()).item())
+    assert max(errors) < GRAD_TOLERANCE[dtype], errors
 
 
 def test_op_backward_skips_what_is_not_needed():
@@ -222,8 +231,6 @@ def test_backward_op_rejects_bad_arguments():
             backward(**{**good, **change})
 
 
-@pytest.mark.skipif(importlib.util.find_spec("fusion_pass.kernels.qkv_rope_qk_norm_backward_triton") is None,
-                    reason="the Triton backward has not landed")
 def test_backward_op_dispatches_to_triton_under_the_interpreter():
     """On CPU with TRITON_INTERPRET=1 (set before triton is imported: a fresh process) the backward
     op runs the Triton kernels; its gradients equal the reference path's."""
@@ -249,7 +256,7 @@ def test_backward_op_dispatches_to_triton_under_the_interpreter():
             os.environ["TRITON_INTERPRET"] = "0"
             reference_grads = run()
             os.environ["TRITON_INTERPRET"] = "1"
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
             for a, b in zip(triton_grads, reference_grads):
                 err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                 assert err < tol, (structure, err)
@@ -341,7 +348,7 @@ def test_fused_qkv_block_bf16_with_inductor():
     assert fusion_pass.match_counts() == {FAMILY: 1}
     assert ops.counts[BWD_OP] == 1
     errors = compare_grads(model, reference, [("x", x, x_ref)])
-    assert max(errors.values()) < 2e-2, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    assert max(errors.values()) < GRAD_TOLERANCE[torch.bfloat16], sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -359,5 +366,4 @@ def test_hunyuan_dense_v1_gradients_through_the_rewritten_joint_graph(dtype):
     assert fusion_pass.match_counts() == {FAMILY: 2}
     torch.testing.assert_close(loss, reference_loss, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=0)
     errors = compare_grads(model, reference)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert max(errors.values()) < tolerance, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    assert max(errors.values()) < GRAD_TOLERANCE[dtype], sorted(errors.items(), key=lambda kv: -kv[1])[:3]
