@@ -129,6 +129,19 @@ def test_look_alikes_are_left_alone(variant):
     torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
 
 
+def test_cache_of_another_dtype_than_k_is_left_alone():
+    """``cache[:, :, start:end] = k`` into an fp32 cache converts k: not what the op writes.
+    (``index_put_``/``index_copy_`` refuse mismatched dtypes in eager already.)"""
+    model = Qwen3StylePrologue(cache_write="slice").to(torch.bfloat16)
+    inputs = list(make_inputs())
+    inputs[3], inputs[4], inputs[5] = inputs[3].float(), inputs[4].float(), 3
+    (q_ref, _), ref_inputs = reference(model, inputs)
+    (q_out, _), capture = run_compiled(model, inputs)
+    assert fused_count() == 0
+    assert FUSED_OP not in capture.after[0]
+    torch.testing.assert_close(inputs[3], ref_inputs[3], **UNFUSED_TOL)
+
+
 def test_norm_rope_without_cache_write_is_a_reported_near_miss():
     model = Qwen3StylePrologue(variant="no_cache_write").to(torch.bfloat16)
     run_compiled(model, make_inputs())
