@@ -100,7 +100,24 @@ def _use_triton(q: torch.Tensor) -> bool:
     return q.is_cuda or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-@torch.library.custom_op("fusion_pass::qk_norm_rope_cache", mutates_args=("k_cache", "v_cache"))
+# Defined with torch.library.Library rather than torch.library.custom_op: the custom_op wrapper
+# costs ~40 us of host time per call for an op with mutated arguments (measured on the CPU CI
+# machine: 40.9 us vs 4.4 us for the same schema), which is paid by every layer of every step
+# that is not replayed as a CUDA graph. Functionalization (auto_functionalized) and Inductor
+# treat both the same: the schema's (a!)/(b!) annotations are what they read.
+_LIB = torch.library.Library("fusion_pass", "FRAGMENT")
+_LIB.define(
+    "qk_norm_rope_cache(Tensor q, Tensor k, Tensor v, Tensor q_weight, Tensor k_weight, Tensor cos, "
+    "Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, float q_eps, float k_eps) "
+    "-> (Tensor, Tensor)"
+)
+_LIB.define(
+    "qk_norm_rope_cache_eps_tensor(Tensor q, Tensor k, Tensor v, Tensor q_weight, Tensor k_weight, "
+    "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, Tensor q_eps, "
+    "Tensor k_eps) -> (Tensor, Tensor)"
+)
+
+
 def qk_norm_rope_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,7 +164,6 @@ def qk_norm_rope_cache(
     return _with_layout_of(q, q_rot), _with_layout_of(k, k_rot)
 
 
-@torch.library.custom_op("fusion_pass::qk_norm_rope_cache_eps_tensor", mutates_args=("k_cache", "v_cache"))
 def qk_norm_rope_cache_eps_tensor(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -174,7 +190,7 @@ def qk_norm_rope_cache_eps_tensor(
                               float(q_eps), float(k_eps))
 
 
-@qk_norm_rope_cache_eps_tensor.register_fake
+@torch.library.register_fake("fusion_pass::qk_norm_rope_cache_eps_tensor", lib=_LIB)
 def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position)
     return torch.empty_like(q), torch.empty_like(k)
@@ -188,7 +204,7 @@ def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor
     return out
 
 
-@qk_norm_rope_cache.register_fake
+@torch.library.register_fake("fusion_pass::qk_norm_rope_cache", lib=_LIB)
 def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position)
     return torch.empty_like(q), torch.empty_like(k)
@@ -204,3 +220,7 @@ def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two in [16, 256]"
     return None
+
+
+_LIB.impl("qk_norm_rope_cache", qk_norm_rope_cache, "CompositeExplicitAutograd")
+_LIB.impl("qk_norm_rope_cache_eps_tensor", qk_norm_rope_cache_eps_tensor, "CompositeExplicitAutograd")
