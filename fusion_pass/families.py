@@ -1,4 +1,4 @@
-"""The fusion families: name, one-line description, graph stage and pattern module of each."""
+"""The fusion families: one-line description and pattern module of each."""
 
 from __future__ import annotations
 
@@ -10,13 +10,7 @@ DESCRIPTIONS = {
     "qkv_rope_qk_norm": "QKV projection -> RoPE -> per-head RMSNorm, fused forward and backward",
 }
 
-#: Module under ``fusion_pass.patterns`` that registers each family's patterns.
-PATTERN_MODULES = {
-    "qk_norm_rope_cache": "qk_norm_rope_cache",
-    "qkv_rope_qk_norm": "qkv_rope_qk_norm",
-}
-
-
 def pattern_module(family: str) -> ModuleType:
-    """Import the pattern module of ``family``; it exposes ``register(pass_dict)``."""
-    return importlib.import_module(f"fusion_pass.patterns.{PATTERN_MODULES[family]}")
+    """Import ``fusion_pass.patterns.<family>``; it exposes ``register(pass_dict)`` (and may
+    expose ``apply(graph, pass_dict)`` to wrap the matching)."""
+    return importlib.import_module(f"fusion_pass.patterns.{family}")

@@ -190,12 +190,6 @@ def qk_norm_rope_cache_eps_tensor(
                               float(q_eps), float(k_eps))
 
 
-@torch.library.register_fake("fusion_pass::qk_norm_rope_cache_eps_tensor", lib=_LIB)
-def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
-    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position)
-    return torch.empty_like(q), torch.empty_like(k)
-
-
 def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if value.stride() == template.stride():
         return value
@@ -204,10 +198,14 @@ def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor
     return out
 
 
-@torch.library.register_fake("fusion_pass::qk_norm_rope_cache", lib=_LIB)
-def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
+def _fake(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
+    """Shapes for tracing (both overloads): the checks run at compile time too."""
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position)
     return torch.empty_like(q), torch.empty_like(k)
+
+
+torch.library.register_fake("fusion_pass::qk_norm_rope_cache", _fake, lib=_LIB)
+torch.library.register_fake("fusion_pass::qk_norm_rope_cache_eps_tensor", _fake, lib=_LIB)
 
 
 def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:

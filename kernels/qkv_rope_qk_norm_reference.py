@@ -26,22 +26,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dim (Hugging Face ``rotate_half``)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from .qk_norm_rope_cache_reference import rope_reference, rotate_half
 
 
 def rotate_half_transposed(u: torch.Tensor) -> torch.Tensor:
     """The adjoint of ``rotate_half``: [u1, u2] -> [u2, -u1] (gradient through rotate_half)."""
     half = u.shape[-1] // 2
     return torch.cat((u[..., half:], -u[..., :half]), dim=-1)
-
-
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb`` for one tensor, eager roundings: x [B, H, S, D], cos/sin [Bc, 1, S, D]."""
-    return (x * cos) + (rotate_half(x) * sin)
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -62,6 +62,8 @@ from torch._inductor.pattern_matcher import (
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.kernels.qk_norm_rope_cache_op import check_qk_norm_rope_cache_args, unsupported_reason
+# The Hugging Face building blocks, op for op: traced, they are the model's graph.
+from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
 from fusion_pass.matching import apply_first_to_last
 
 FAMILY = "qk_norm_rope_cache"
@@ -76,30 +78,12 @@ _K_EPS_EXAMPLE = 2.3456e-5
 
 # --- the model code, as functions --------------------------------------------------------
 
-def _rms_norm(x, weight, eps):
-    input_dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    return weight * x.to(input_dtype)
-
-
-def _rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope(x, cos, sin):
-    return (x * cos) + (_rotate_half(x) * sin)
-
-
 def _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose):
-    q = _rms_norm(q, q_weight, q_eps)
-    k = _rms_norm(k, k_weight, k_eps)
+    q = rms_norm_reference(q, q_weight, q_eps)
+    k = rms_norm_reference(k, k_weight, k_eps)
     if norm_before_transpose:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    return _rope(q, cos, sin), _rope(k, cos, sin)
+    return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
 
 
 # --- search and replacement, per cache-write flavour --------------------------------------
@@ -150,49 +134,31 @@ def _val(match: Match, name: str):
 
 
 def _check(match: Match, norm_before_transpose: bool) -> bool:
-    """Accept a match only when the fused op computes exactly what the graph computed."""
-    q, k, v = _val(match, "q"), _val(match, "k"), _val(match, "v")
-    k_cache, v_cache = _val(match, "k_cache"), _val(match, "v_cache")
-    cos, sin = _val(match, "cos"), _val(match, "sin")
-    q_weight, k_weight = _val(match, "q_weight"), _val(match, "k_weight")
+    """Accept a match only when the fused op computes exactly what the graph computed.
+
+    The op's own argument check decides the geometry (shapes, dtypes, strides, cache length,
+    devices); a match it would reject, or one the kernel does not serve, is a reported
+    near-miss, never a compile-time error.
+    """
     names = ("q", "k", "v", "k_cache", "v_cache", "cos", "sin")
     if len({match.kwargs[n] for n in names}) != len(names):
         return False  # symmetric branches bound to the same node
+    q, k, v = _val(match, "q"), _val(match, "k"), _val(match, "v")
+    cos, sin = _val(match, "cos"), _val(match, "sin")
     if not fusion_config.device_allowed(q.device):
         return False
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 4 or cos.shape[1] != 1 or sin.dim() != 4 or sin.shape[1] != 1:
+        return False  # the op takes cos/sin broadcast over heads: [B or 1, 1, S, D] here
     if norm_before_transpose:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    if q.dim() != 4 or k.dim() != 4 or tuple(v.shape) != tuple(k.shape):
-        return False
-    batch, q_heads, seq, head_dim = q.shape
-    if cos.dim() != 4 or cos.shape[1] != 1 or tuple(sin.shape) != tuple(cos.shape):
-        return False  # cos/sin broadcast over heads is what the op implements
-    if cos.shape[0] not in (1, batch) or cos.shape[2] != seq or cos.shape[3] != head_dim:
-        return False
-    if k_cache.dim() != 4 or tuple(k_cache.shape[:2]) != (batch, k.shape[1]) or k_cache.shape[3] != head_dim:
-        return False
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        return False
-    if tuple(q_weight.shape) != (head_dim,) or tuple(k_weight.shape) != (head_dim,):
-        return False
-    dtypes = {t.dtype for t in (q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache)}
-    if len(dtypes) != 1:
-        match_report.record_near_miss(FAMILY, f"mixed dtypes {sorted(str(d) for d in dtypes)}")
-        return False
-    if k.shape[1] == 0 or q_heads % k.shape[1]:
-        return False
-    position = _val(match, "cache_position")
-    if position.dim() != 1 or position.shape[0] != seq or position.dtype not in (torch.int64, torch.int32):
-        return False
-    reason = unsupported_reason(head_dim, q.dtype)
-    if reason is None:
-        # Everything else the op requires (contiguous last dims, cache length, devices): a
-        # graph the op would reject is left unfused, not failed at compile time.
-        try:
-            check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos.squeeze(1), sin.squeeze(1),
-                                          k_cache, v_cache, position)
-        except ValueError as error:
-            reason = str(error).removeprefix("fusion_pass.qk_norm_rope_cache: ")
+    try:
+        check_qk_norm_rope_cache_args(
+            q, k, v, _val(match, "q_weight"), _val(match, "k_weight"), cos.squeeze(1), sin.squeeze(1),
+            _val(match, "k_cache"), _val(match, "v_cache"), _val(match, "cache_position"),
+        )
+        reason = unsupported_reason(q.shape[-1], q.dtype)
+    except ValueError as error:
+        reason = str(error).removeprefix("fusion_pass.qk_norm_rope_cache: ")
     if reason is not None:
         match_report.record_near_miss(FAMILY, reason)
         for node in match.nodes:  # reported once, with its reason: not again as a bare norm -> RoPE
@@ -270,8 +236,8 @@ def _near_miss_pass():
 
     def norm_rope(norm_before_transpose):
         def search(x, weight, cos, sin, eps):
-            x = _rms_norm(x, weight, eps)
-            return _rope(x.transpose(1, 2) if norm_before_transpose else x, cos, sin)
+            x = rms_norm_reference(x, weight, eps)
+            return rope_reference(x.transpose(1, 2) if norm_before_transpose else x, cos, sin)
 
         return search
 

@@ -72,6 +72,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
+# The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
+from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
 
 FAMILY = "qkv_rope_qk_norm"
 
@@ -88,32 +90,15 @@ _SIZE_WORKAROUND = {"q_size": 48, "kv_size": 24}
 # ----------------------------------------------------------------------------------------------
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _apply_rotary_pos_emb(q, k, cos, sin):
     """``apply_rotary_pos_emb`` after its ``unsqueeze(1)`` (cos/sin arrive [Bc, 1, S, D])."""
-    q_embed = (q * cos) + (_rotate_half(q) * sin)
-    k_embed = (k * cos) + (_rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
-def _rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``HunYuanDenseV1RMSNorm.forward``."""
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + eps)
-    return weight * hidden_states.to(input_dtype)
+    return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
 
 
 def _rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps):
     query_states, key_states = _apply_rotary_pos_emb(q, k, cos, sin)
-    query_states = _rms_norm(query_states, q_norm_weight, q_eps)
-    key_states = _rms_norm(key_states, k_norm_weight, k_eps)
+    query_states = rms_norm_reference(query_states, q_norm_weight, q_eps)
+    key_states = rms_norm_reference(key_states, k_norm_weight, k_eps)
     return query_states, key_states
 
 
