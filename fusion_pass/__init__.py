@@ -17,9 +17,13 @@ from .config import ALL_FAMILIES as FAMILIES
 from .install import install, installed, options, uninstall
 from .match_report import match_counts, near_misses, report
 from .match_report import reset as reset_report
+from .versions import SUPPORTED_RANGE as SUPPORTED_TORCH
+from .versions import UnsupportedTorchVersion
 
 __all__ = [
     "FAMILIES",
+    "SUPPORTED_TORCH",
+    "UnsupportedTorchVersion",
     "install",
     "installed",
     "match_counts",

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import torch._inductor.config as inductor_config
 
 from . import config as fusion_config
+from .versions import check_torch_version
 from .passes import FusionGraphPass, is_ours
 
 _HOOKS = {
@@ -44,6 +45,9 @@ def install(devices: Iterable[str] = ("cuda",), families: Iterable[str] | None =
             fused ops run their PyTorch references (or Triton under ``TRITON_INTERPRET=1``).
         families: fusion families to apply (default: all, see ``fusion_pass.FAMILIES``).
 
+    Raises:
+        fusion_pass.UnsupportedTorchVersion: torch is older than 2.11 (``fusion_pass.SUPPORTED_TORCH``).
+
     Example::
 
         import torch, fusion_pass
@@ -53,6 +57,7 @@ def install(devices: Iterable[str] = ("cuda",), families: Iterable[str] | None =
         print(fusion_pass.report())
     """
     global _saved
+    check_torch_version()
     config = fusion_config.FusionConfig.make(devices, families)
     if _saved is None:
         _saved = {hook: getattr(inductor_config, hook) for hook in _HOOKS}
@@ -81,10 +86,11 @@ def options(devices: Iterable[str] = ("cuda",), families: Iterable[str] | None =
     ours inside this compile.
 
     Args:
-        devices, families: as for ``install``.
+        devices, families: as for ``install`` (which also says what torch versions it accepts).
 
     Returns:
         ``{"post_grad_custom_pre_pass": ..., "joint_custom_post_pass": ...}``
     """
+    check_torch_version()
     config = fusion_config.FusionConfig.make(devices, families)
     return {hook: _compose(hook, getattr(inductor_config, hook), config) for hook in _HOOKS}

@@ -12,8 +12,13 @@ fused::
     q, k = torch.ops.fusion_pass.qk_norm_rope_cache(q, k, v, q_w, k_w, cos, sin,
                                                     k_cache, v_cache, cache_position, eps, eps)
 
-The op mutates ``k_cache`` and ``v_cache`` (``mutates_args``): under torch.compile it appears
-as ``auto_functionalized`` and Inductor calls it directly on the cache buffers, so the caches
+``torch.ops.fusion_pass.qk_norm_rope_paged_cache`` is the same op for a paged cache written
+through a slot mapping (vLLM's ``reshape_and_cache``, Hugging Face's ``PagedAttentionCache``)::
+
+    key_cache.view(-1, Hkv, D)[slot_mapping] = k      # key_cache [num_blocks, block_size, Hkv, D]
+
+Both ops mutate their cache arguments (``Tensor(a!)`` in the schema): under torch.compile each
+appears as ``auto_functionalized`` and Inductor calls it directly on the cache buffers, so the caches
 are updated in place with no copy. On CUDA (and on CPU under ``TRITON_INTERPRET=1``) it runs
 the Triton kernel; elsewhere the PyTorch reference.
 """
@@ -116,6 +121,15 @@ _LIB.define(
     "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, Tensor q_eps, "
     "Tensor k_eps) -> (Tensor, Tensor)"
 )
+# The paged variant mutates the caches themselves ([num_blocks, block_size, Hkv, D]), not a view
+# of them: Inductor re-inplaces auto_functionalized only for mutated graph inputs, and would
+# clone a view of one (a full cache copy per layer).
+for _suffix, _eps in (("", "float"), ("_eps_tensor", "Tensor")):
+    _LIB.define(
+        f"qk_norm_rope_paged_cache{_suffix}(Tensor q, Tensor k, Tensor v, Tensor q_weight, Tensor k_weight, "
+        f"Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+        f"{_eps} q_eps, {_eps} k_eps) -> (Tensor, Tensor)"
+    )
 
 
 def qk_norm_rope_cache(
@@ -183,11 +197,128 @@ def qk_norm_rope_cache_eps_tensor(
     ``torch.compile(dynamic=True)`` lifts a Python float such as ``variance_epsilon`` into a
     0-d CPU tensor graph input; reading it here costs no device synchronization.
     """
-    for name, eps in (("q_eps", q_eps), ("k_eps", k_eps)):
-        if eps.numel() != 1:
-            raise ValueError(f"fusion_pass.qk_norm_rope_cache: {name}: expected a 0-d tensor, got shape {tuple(eps.shape)}")
     return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position,
-                              float(q_eps), float(k_eps))
+                              _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"))
+
+
+def paged_cache_rows(cache: torch.Tensor, name: str, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The ``[1, Hkv, slots, D]`` view of a paged cache that the dense op addresses.
+
+    A paged cache ``[num_blocks, block_size, Hkv, D]`` (or one already flat, ``[slots, Hkv, D]``)
+    holds slot ``s = block * block_size + offset`` at ``cache.view(-1, Hkv, D)[s]``. Viewed as
+    ``[1, Hkv, slots, D]`` with strides ``(slots * Hkv * D, D, Hkv * D, 1)`` the same memory is a
+    dense cache of one batch row whose row ``s`` is that slot, so a write at ``cache_position =
+    slot_mapping`` lands where ``cache.view(-1, Hkv, D)[slot_mapping] = k`` writes. It is a view:
+    writes through it update ``cache`` itself.
+
+    Raises ``ValueError`` naming ``name`` when the cache is not ``[..., Hkv, D]`` or its leading
+    dims cannot be flattened without a copy.
+    """
+    if cache.dim() < 3 or tuple(cache.shape[-2:]) != (kv_heads, head_dim):
+        raise ValueError(f"fusion_pass.qk_norm_rope_paged_cache: {name}: expected shape [..., Hkv={kv_heads}, "
+                         f"D={head_dim}] ([num_blocks, block_size, Hkv, D] or [slots, Hkv, D]), got shape "
+                         f"{tuple(cache.shape)}")
+    try:
+        flat = cache.view(-1, kv_heads, head_dim)
+    except RuntimeError:
+        raise ValueError(f"fusion_pass.qk_norm_rope_paged_cache: {name}: expected leading dims that flatten to "
+                         f"slots without a copy, got strides {tuple(cache.stride())}") from None
+    return flat.transpose(0, 1).unsqueeze(0)
+
+
+def check_qk_norm_rope_paged_cache_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the paged op's arguments; return the ``[1, Hkv, slots, D]`` views of both caches.
+
+    Raises ``ValueError`` naming the first argument that breaks the contract (the dense op's
+    rules apply to the views, with ``slot_mapping`` as ``cache_position``).
+    """
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError("fusion_pass.qk_norm_rope_paged_cache: q: expected a 4-D tensor [1, Hq, T, D] (tokens "
+                         f"flattened into one batch row), got shape {tuple(q.shape)}")
+    kv_heads, head_dim = (k.shape[1], k.shape[3]) if k.dim() == 4 else (-1, -1)
+    if key_cache.dtype != value_cache.dtype or tuple(key_cache.shape) != tuple(value_cache.shape):
+        raise ValueError("fusion_pass.qk_norm_rope_paged_cache: value_cache: expected key_cache's shape "
+                         f"{tuple(key_cache.shape)} and dtype {key_cache.dtype}, got {tuple(value_cache.shape)} "
+                         f"and {value_cache.dtype}")
+    k_rows = paged_cache_rows(key_cache, "key_cache", kv_heads, head_dim)
+    v_rows = paged_cache_rows(value_cache, "value_cache", kv_heads, head_dim)
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping)
+    return k_rows, v_rows
+
+
+def qk_norm_rope_paged_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope_cache`` writing a paged cache through a slot mapping (vLLM's ``reshape_and_cache``).
+
+    Args:
+        q: [1, Hq, T, D] queries before the norm, the T tokens of all sequences in one row.
+        k, v: [1, Hkv, T, D].
+        q_weight, k_weight, cos ([1, T, D]), sin, q_eps, k_eps: as for ``qk_norm_rope_cache``.
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D] or [slots, Hkv, D], updated in
+            place: token t's rows go to slot ``slot_mapping[t]`` of ``cache.view(-1, Hkv, D)``.
+        slot_mapping: [T] int64 or int32 flat slot indices. Negative slots count from the end
+            (Python indexing, as ``cache.view(-1, Hkv, D)[slot_mapping] = k`` does); slots
+            outside [-slots, slots) are skipped.
+
+    Returns:
+        (q_rotated [1, Hq, T, D], k_rotated [1, Hkv, T, D]) with q's and k's strides.
+
+    The kernel is the dense op's: it addresses the cache as ``batch * stride_b + head *
+    stride_h + row * stride_row``, and the paged cache viewed as ``[1, Hkv, slots, D]`` is
+    such a cache (``paged_cache_rows``). The mutated arguments are the caches themselves, so
+    under torch.compile Inductor calls this op on the user's cache buffers, with no copy.
+    """
+    k_rows, v_rows = check_qk_norm_rope_paged_cache_args(
+        q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping)
+    return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, q_eps, k_eps)
+
+
+def qk_norm_rope_paged_cache_eps_tensor(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_eps: torch.Tensor,
+    k_eps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope_paged_cache`` with the epsilons as 0-d tensors (``torch.compile(dynamic=True)``)."""
+    return qk_norm_rope_paged_cache(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping,
+                                    _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"))
+
+
+def _eps_value(eps: torch.Tensor, name: str) -> float:
+    if eps.numel() != 1:
+        raise ValueError(f"fusion_pass.qk_norm_rope_cache: {name}: expected a 0-d tensor, got shape {tuple(eps.shape)}")
+    return float(eps)
 
 
 def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -204,8 +335,16 @@ def _fake(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_positio
     return torch.empty_like(q), torch.empty_like(k)
 
 
+def _fake_paged(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, q_eps, k_eps):
+    """Shapes for tracing the paged op (both overloads)."""
+    check_qk_norm_rope_paged_cache_args(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
 torch.library.register_fake("fusion_pass::qk_norm_rope_cache", _fake, lib=_LIB)
 torch.library.register_fake("fusion_pass::qk_norm_rope_cache_eps_tensor", _fake, lib=_LIB)
+torch.library.register_fake("fusion_pass::qk_norm_rope_paged_cache", _fake_paged, lib=_LIB)
+torch.library.register_fake("fusion_pass::qk_norm_rope_paged_cache_eps_tensor", _fake_paged, lib=_LIB)
 
 
 def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
@@ -222,3 +361,5 @@ def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
 
 _LIB.impl("qk_norm_rope_cache", qk_norm_rope_cache, "CompositeExplicitAutograd")
 _LIB.impl("qk_norm_rope_cache_eps_tensor", qk_norm_rope_cache_eps_tensor, "CompositeExplicitAutograd")
+_LIB.impl("qk_norm_rope_paged_cache", qk_norm_rope_paged_cache, "CompositeExplicitAutograd")
+_LIB.impl("qk_norm_rope_paged_cache_eps_tensor", qk_norm_rope_paged_cache_eps_tensor, "CompositeExplicitAutograd")

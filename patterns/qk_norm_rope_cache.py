@@ -28,15 +28,38 @@ The pattern ends at the functional cache writes and never spans the ``copy_`` wr
 functionalization appends for the mutated cache inputs; Inductor turns ``auto_functionalized``
 back into an in-place call on the cache buffers, so no cache-sized copy is made.
 
-Variants (one registration each, generated from one definition):
+Variants (one registration each, generated from one definition, ``VARIANTS``):
 
-- layout: the norm runs on ``[B, S, H, D]`` before the transpose (Hugging Face), or on
-  ``[B, H, S, D]`` directly (the SOL-ExecBench formulation);
-- cache write: ``index_put`` (from ``index_copy_`` and ``cache[:, :, pos] = x``; with B = 1 the
-  latter writes ``x.reshape(H, S, D)``, which is canonicalized to ``x`` first), or
-  ``slice_scatter`` (from ``cache[:, :, start:end] = x``), canonicalized into an index_put at
-  ``arange(start, end)`` before matching (a multi-output pattern cannot anchor the V write of
-  a slice assignment: it shares no graph node with the rest, only the constants start/end).
+- layout: the norm runs on ``[B, S, H, D]`` before the transpose (Hugging Face), on
+  ``[B, H, S, D]`` directly (the SOL-ExecBench formulation), or on flattened tokens
+  ``[T, H, D]`` (vLLM; ``apply_rotary_pos_emb`` with ``cos/sin [T, D]``, whose
+  ``unsqueeze(1)`` gives ``[T, 1, D]``);
+- cache write into a dense ``[B, Hkv, L, D]`` cache: ``index_put`` (from ``index_copy_`` and
+  ``cache[:, :, pos] = x``; with B = 1 the latter writes ``x.reshape(H, S, D)``, which is
+  canonicalized to ``x`` first), or ``slice_scatter`` (from ``cache[:, :, start:end] = x``),
+  canonicalized into an index_put at ``arange(start, end)`` before matching (a multi-output
+  pattern cannot anchor the V write of a slice assignment: it shares no graph node with the
+  rest, only the constants start/end);
+- cache write into a paged cache through a slot mapping (vLLM's ``reshape_and_cache``, Hugging
+  Face's continuous-batching ``PagedAttentionCache`` / ``FullAttentionAllocator.update``),
+  replaced by ``fusion_pass.qk_norm_rope_paged_cache``::
+
+      key_cache.view(-1, Hkv, D)[slot_mapping] = k              # key_cache [blocks, block_size, Hkv, D]
+      key_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k)
+      key_cache[slot_mapping] = k                                # key_cache [slots, Hkv, D]
+
+  with k ``[T, Hkv, D]`` (tokens layout) or ``k.squeeze(0).transpose(0, 1)`` of the Hugging
+  Face ``[1, Hkv, S, D]`` (``PagedAttentionCache.update``). Functionalized, the first two are
+  ``index_put(reshape(cache, [-1, Hkv, D]), [slots], k)`` then ``reshape`` back to the cache
+  shape, which the ``copy_`` write-back reads: the pattern ends at that reshape.
+  ``view(blocks * block_size, Hkv, D)`` and ``flatten(0, 1)`` are respelled ``view(-1, Hkv,
+  D)`` first, and a single token's ``k.reshape(Hkv, D)`` (decode) is canonicalized to ``k``.
+
+q, k and v may be any views with a contiguous last dim: slices of one fused QKV projection
+(``qkv_proj(x).split([Hq*D, Hkv*D, Hkv*D], -1)``) match like separate projections. cos/sin
+may reach the multiply as ``[B or 1, 1, S, D]`` (``apply_rotary_pos_emb``), or shared by the
+batch as ``[S, D]`` (broadcast as is, or ``cos[None, None]``) or ``[1, S, D]``; tables that
+vary over heads are not RoPE as the op applies it and are left alone (``cos_rows``).
 
 bf16 and fp16 share a registration: the first match ignores dtypes and the pattern matcher
 re-traces each candidate with its real dtypes and shapes before accepting it.
@@ -44,12 +67,15 @@ re-traces each candidate with its real dtypes and shapes before accepting it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
+import re
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
@@ -61,7 +87,11 @@ from torch._inductor.pattern_matcher import (
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
-from fusion_pass.kernels.qk_norm_rope_cache_op import check_qk_norm_rope_cache_args, unsupported_reason
+from fusion_pass.kernels.qk_norm_rope_cache_op import (
+    check_qk_norm_rope_cache_args,
+    check_qk_norm_rope_paged_cache_args,
+    unsupported_reason,
+)
 # The Hugging Face building blocks, op for op: traced, they are the model's graph.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
 from fusion_pass.matching import apply_first_to_last
@@ -76,6 +106,41 @@ _Q_EPS_EXAMPLE = 1.2345e-5
 _K_EPS_EXAMPLE = 2.3456e-5
 
 
+# --- the variants ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One registration: the token layout the norm sees and how the cache is written.
+
+    layout:
+        ``"bshd"``: the norm runs on ``[B, S, H, D]``, then ``transpose(1, 2)`` (Hugging Face);
+        ``"bhsd"``: the norm runs on ``[B, H, S, D]`` (the SOL-ExecBench formulation);
+        ``"tokens"``: ``[T, H, D]``, the tokens of all sequences flattened (vLLM), RoPE with
+        ``cos.unsqueeze(1)`` of ``[T, D]``.
+    cache:
+        ``"dense"``: ``[B, Hkv, L, D]`` written at ``[:, :, cache_position]``;
+        ``"paged"``: ``[num_blocks, block_size, Hkv, D]`` written at
+        ``cache.view(-1, Hkv, D)[slot_mapping]``;
+        ``"flat"``: ``[slots, Hkv, D]`` written at ``cache[slot_mapping]``.
+        A paged or flat write of the ``"bshd"`` layout takes the rows as
+        ``k.squeeze(0).transpose(0, 1)`` (B = 1, Hugging Face's ``PagedAttentionCache``).
+    """
+
+    layout: str
+    cache: str
+
+    @property
+    def paged(self) -> bool:
+        return self.cache != "dense"
+
+
+VARIANTS = (
+    Variant("bshd", "dense"), Variant("bhsd", "dense"),
+    Variant("bshd", "paged"), Variant("bshd", "flat"),
+    Variant("tokens", "paged"), Variant("tokens", "flat"),
+)
+
+
 # --- the model code, as functions --------------------------------------------------------
 
 def _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose):
@@ -86,44 +151,94 @@ def _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_tra
     return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
 
 
-# --- search and replacement, per cache-write flavour --------------------------------------
+def _cache_write(variant: Variant, cache, position, rows):
+    """The functional cache write of ``variant``: rows are ``[B, Hkv, S, D]`` or ``[T, Hkv, D]``."""
+    if not variant.paged:
+        return aten.index_put.default(cache, [None, None, position], rows)
+    if variant.layout == "bshd":
+        rows = rows.squeeze(0).transpose(0, 1)  # [1, Hkv, S, D] -> [S, Hkv, D]
+    if variant.cache == "flat":
+        return aten.index_put.default(cache, [position], rows)
+    # Functionalized ``cache.view(-1, Hkv, D)[slots] = rows``: the write into the flat view,
+    # then the view of the result as the cache again (what the copy_ write-back reads).
+    flat = aten.index_put.default(cache.reshape(-1, rows.shape[-2], rows.shape[-1]), [position], rows)
+    return flat.reshape(cache.shape)
 
-def _search_index_put(norm_before_transpose):
+
+# --- search and replacement ------------------------------------------------------------------
+
+def _search(variant: Variant):
     def search(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
-        q_rot, k_rot = _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose)
-        k_cache = aten.index_put.default(k_cache, [None, None, cache_position], k_rot)
-        v_cache = aten.index_put.default(v_cache, [None, None, cache_position], v)
+        q_rot, k_rot = _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, variant.layout == "bshd")
+        k_cache = _cache_write(variant, k_cache, cache_position, k_rot)
+        v_cache = _cache_write(variant, v_cache, cache_position, v)
         return q_rot, k_rot, k_cache, v_cache
 
     return search
 
 
-def _replace_index_put(norm_before_transpose):
+def _replace(variant: Variant):
     def replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
-        return _fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps,
-                      norm_before_transpose)
+        return _fused(variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps)
 
     return replace
 
 
-def _fused(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps,
-           norm_before_transpose):
-    if norm_before_transpose:
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+def _op_layout(variant: Variant, q, k, v):
+    """q, k, v as the op takes them: ``[B, H, S, D]`` (``[1, H, T, D]`` for flattened tokens)."""
+    if variant.layout == "bshd":
+        return q.transpose(1, 2), k.transpose(1, 2), v
+    if variant.layout == "tokens":
+        return q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
+    return q, k, v
+
+
+def cos_rows(cos, token_layout: bool):
+    """cos (or sin) as bound by the pattern -> the op's ``[1 or B, S, D]``, or None.
+
+    The pattern binds the tensor that multiplies x, in whatever form the model broadcast it:
+    ``[B or 1, 1, S, D]`` (``apply_rotary_pos_emb``'s ``unsqueeze(1)``), ``[1, S, D]`` or
+    ``[S, D]`` (shared by the batch, broadcast by the multiply) against ``[B, H, S, D]``;
+    ``[T, 1, D]`` against flattened tokens ``[T, H, D]``. A table that varies over heads is
+    not one the op takes: None. Works on tensors, fake tensors and traced proxies alike.
+    """
+    if token_layout:
+        return cos.squeeze(1).unsqueeze(0) if cos.dim() == 3 and cos.shape[1] == 1 else None
+    if cos.dim() == 4:
+        return cos.squeeze(1) if cos.shape[1] == 1 else None
+    if cos.dim() == 3:
+        return cos if cos.shape[0] == 1 else None  # right-aligned, its first dim meets the heads
+    if cos.dim() == 2:
+        return cos.unsqueeze(0)
+    return None
+
+
+def _fused(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
+    q, k, v = _op_layout(variant, q, k, v)
+    token_layout = variant.layout == "tokens"
     # torch.compile(dynamic=True) lifts the float eps into a 0-d tensor graph input.
-    op = torch.ops.fusion_pass.qk_norm_rope_cache.default
-    if isinstance(q_eps, torch.Tensor) or isinstance(k_eps, torch.Tensor):
-        op = torch.ops.fusion_pass.qk_norm_rope_cache_eps_tensor.default
+    eps_tensor = isinstance(q_eps, torch.Tensor) or isinstance(k_eps, torch.Tensor)
+    if eps_tensor:
         q_eps, k_eps = (e if isinstance(e, torch.Tensor) else torch.tensor(e, dtype=torch.float64)
                         for e in (q_eps, k_eps))
-    # cos/sin were bound after apply_rotary_pos_emb's unsqueeze(1): [B or 1, 1, S, D].
+    cache_args = dict(k_cache=k_cache, v_cache=v_cache, cache_position=cache_position)
+    if variant.paged:
+        # The paged op takes the cache tensors themselves (see the op's schema comment).
+        cache_args = dict(key_cache=k_cache, value_cache=v_cache, slot_mapping=cache_position)
+        op = (torch.ops.fusion_pass.qk_norm_rope_paged_cache_eps_tensor if eps_tensor
+              else torch.ops.fusion_pass.qk_norm_rope_paged_cache).default
+    else:
+        op = (torch.ops.fusion_pass.qk_norm_rope_cache_eps_tensor if eps_tensor
+              else torch.ops.fusion_pass.qk_norm_rope_cache).default
     out = auto_functionalized(
-        op,
-        q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, cos=cos.squeeze(1), sin=sin.squeeze(1),
-        k_cache=k_cache, v_cache=v_cache, cache_position=cache_position, q_eps=q_eps, k_eps=k_eps,
+        op, q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight,
+        cos=cos_rows(cos, token_layout), sin=cos_rows(sin, token_layout), **cache_args, q_eps=q_eps, k_eps=k_eps,
     )
     # auto_functionalized returns the op's outputs, then the mutated caches in schema order.
-    return out[0], out[1], out[2], out[3]
+    q_rot, k_rot = out[0], out[1]
+    if token_layout:
+        q_rot, k_rot = q_rot.transpose(1, 2).squeeze(0), k_rot.transpose(1, 2).squeeze(0)
+    return q_rot, k_rot, out[2], out[3]
 
 
 # --- checks ----------------------------------------------------------------------------
@@ -133,7 +248,7 @@ def _val(match: Match, name: str):
     return node.meta["val"] if isinstance(node, torch.fx.Node) else node
 
 
-def _check(match: Match, norm_before_transpose: bool) -> bool:
+def _check(match: Match, variant: Variant) -> bool:
     """Accept a match only when the fused op computes exactly what the graph computed.
 
     The op's own argument check decides the geometry (shapes, dtypes, strides, cache length,
@@ -144,21 +259,22 @@ def _check(match: Match, norm_before_transpose: bool) -> bool:
     if len({match.kwargs[n] for n in names}) != len(names):
         return False  # symmetric branches bound to the same node
     q, k, v = _val(match, "q"), _val(match, "k"), _val(match, "v")
-    cos, sin = _val(match, "cos"), _val(match, "sin")
     if not fusion_config.device_allowed(q.device):
         return False
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 4 or cos.shape[1] != 1 or sin.dim() != 4 or sin.shape[1] != 1:
-        return False  # the op takes cos/sin broadcast over heads: [B or 1, 1, S, D] here
-    if norm_before_transpose:
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    token_layout = variant.layout == "tokens"
+    if q.dim() != k.dim() or q.dim() != (3 if token_layout else 4):
+        return False
+    cos, sin = cos_rows(_val(match, "cos"), token_layout), cos_rows(_val(match, "sin"), token_layout)
+    if cos is None or sin is None:
+        return False  # cos/sin that vary over heads: not RoPE as the op applies it
+    q, k, v = _op_layout(variant, q, k, v)
+    check = check_qk_norm_rope_paged_cache_args if variant.paged else check_qk_norm_rope_cache_args
     try:
-        check_qk_norm_rope_cache_args(
-            q, k, v, _val(match, "q_weight"), _val(match, "k_weight"), cos.squeeze(1), sin.squeeze(1),
-            _val(match, "k_cache"), _val(match, "v_cache"), _val(match, "cache_position"),
-        )
+        check(q, k, v, _val(match, "q_weight"), _val(match, "k_weight"), cos, sin,
+              _val(match, "k_cache"), _val(match, "v_cache"), _val(match, "cache_position"))
         reason = unsupported_reason(q.shape[-1], q.dtype)
     except ValueError as error:
-        reason = str(error).removeprefix("fusion_pass.qk_norm_rope_cache: ")
+        reason = re.sub(r"^fusion_pass\.qk_norm_rope_(paged_)?cache: ", "", str(error))
     if reason is not None:
         match_report.record_near_miss(FAMILY, reason)
         for node in match.nodes:  # reported once, with its reason: not again as a bare norm -> RoPE
@@ -169,35 +285,50 @@ def _check(match: Match, norm_before_transpose: bool) -> bool:
 
 # --- registration --------------------------------------------------------------------------
 
-def _example_inputs(norm_before_transpose: bool):
+def _example_inputs(variant: Variant):
     batch, q_heads, kv_heads, seq, head_dim, length = 2, 4, 2, 8, 16, 24
+    if variant.paged:
+        batch = 1  # tokens flattened into one batch row
     dtype = torch.bfloat16
 
     def t(*shape):
         return torch.empty(shape, dtype=dtype)
 
-    if norm_before_transpose:
-        q, k = t(batch, seq, q_heads, head_dim), t(batch, seq, kv_heads, head_dim)
+    if variant.layout == "tokens":
+        q, k, v = t(seq, q_heads, head_dim), t(seq, kv_heads, head_dim), t(seq, kv_heads, head_dim)
+        cos, sin = t(seq, 1, head_dim), t(seq, 1, head_dim)
     else:
-        q, k = t(batch, q_heads, seq, head_dim), t(batch, kv_heads, seq, head_dim)
+        if variant.layout == "bshd":
+            q, k = t(batch, seq, q_heads, head_dim), t(batch, seq, kv_heads, head_dim)
+        else:
+            q, k = t(batch, q_heads, seq, head_dim), t(batch, kv_heads, seq, head_dim)
+        v = t(batch, kv_heads, seq, head_dim)
+        cos, sin = t(batch, 1, seq, head_dim), t(batch, 1, seq, head_dim)
+    cache_shape = {"dense": (batch, kv_heads, length, head_dim), "paged": (3, length // 3, kv_heads, head_dim),
+                   "flat": (length, kv_heads, head_dim)}[variant.cache]
     # Distinct example tensors for every argument: shared ones would merge in the pattern.
-    common = [q, k, t(batch, kv_heads, seq, head_dim), t(head_dim), t(head_dim),
-              t(batch, 1, seq, head_dim), t(batch, 1, seq, head_dim),
-              t(batch, kv_heads, length, head_dim), t(batch, kv_heads, length, head_dim)]
     # The epsilons are not listed: they come from scalar_workaround.
-    return common + [torch.arange(seq)]
+    return [q, k, v, t(head_dim), t(head_dim), cos, sin, t(*cache_shape), t(*cache_shape), torch.arange(seq)]
+
+
+def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
+    """``fwd_only``, then views spelled as the post-grad graph spells them (``aten.reshape``:
+    Inductor's ``view_to_reshape`` has run before the custom pre-pass)."""
+    gm = fwd_only(fn, args, **kwargs)
+    view_to_reshape(gm)
+    return gm
 
 
 def register(pass_dict) -> None:
     """Register every variant of this fusion into ``pass_dict`` (a ``PatternMatcherPass``)."""
-    for norm_before_transpose in (True, False):
+    for variant in VARIANTS:
         register_replacement(
-            _search_index_put(norm_before_transpose),
-            _replace_index_put(norm_before_transpose),
-            _example_inputs(norm_before_transpose),
-            fwd_only,
+            _search(variant),
+            _replace(variant),
+            _example_inputs(variant),
+            _trace,
             pass_dict,
-            extra_check=functools.partial(_check, norm_before_transpose=norm_before_transpose),
+            extra_check=functools.partial(_check, variant=variant),
             scalar_workaround={"q_eps": _Q_EPS_EXAMPLE, "k_eps": _K_EPS_EXAMPLE},
             exclusive_arg_names=("q", "k", "v", "k_cache", "v_cache"),
         )
@@ -211,6 +342,7 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
     were, so an unmatched graph leaves this pass unchanged.
     """
     drop_batch_of_one_reshapes(graph)
+    normalize_flat_cache_views(graph)
     rewrites = canonicalize_slice_writes(graph)
     count = apply_first_to_last(pass_dict, graph)
     restore_unfused_slice_writes(graph, rewrites)
@@ -257,8 +389,11 @@ def _near_miss_pass():
 # --- cache writes spelled otherwise ----------------------------------------------------------
 
 def drop_batch_of_one_reshapes(graph: torch.fx.Graph) -> None:
-    """``index_put(cache, [None, None, pos], x.reshape(H, S, D))`` -> ``index_put(cache, [None,
-    None, pos], x)`` when x is [1, H, S, D] (what ``cache[:, :, pos] = x`` traces to for B = 1).
+    """``index_put(cache, indices, x.reshape(x.shape[1:]))`` -> ``index_put(cache, indices, x)``
+    when x's first dim is 1: indexing assignment strips a value's leading 1s, so
+    ``cache[:, :, pos] = x`` with x [1, H, S, D] (B = 1) writes ``x.reshape(H, S, D)`` and
+    ``cache.view(-1, H, D)[slots] = x`` with x [1, H, D] (one token: decode) writes
+    ``x.reshape(H, D)``.
 
     The value broadcasts to the same rows either way, so this changes no result.
     """
@@ -272,10 +407,28 @@ def drop_batch_of_one_reshapes(graph: torch.fx.Graph) -> None:
         if not fusion_config.device_allowed(source.meta["val"].device):
             continue
         before, after = source.meta["val"].shape, value.meta["val"].shape
-        if len(before) == 4 and before[0] == 1 and tuple(before[1:]) == tuple(after):
+        if len(before) >= 2 and before[0] == 1 and tuple(before[1:]) == tuple(after):
             node.replace_input_with(value, source)
             if not value.users:
                 graph.erase_node(value)
+
+
+def normalize_flat_cache_views(graph: torch.fx.Graph) -> None:
+    """``index_put(cache.reshape(N, Hkv, D), [slots], x)`` -> ``index_put(cache.reshape(-1, Hkv, D),
+    [slots], x)``: ``view(num_blocks * block_size, Hkv, D)`` and ``flatten(0, 1)`` are spelled
+    as the pattern spells ``view(-1, Hkv, D)``. The same view either way: this changes no result.
+    """
+    for node in graph.find_nodes(op="call_function", target=aten.index_put.default):
+        view, indices = node.args[:2]
+        if len(indices) != 1 or not (isinstance(view, torch.fx.Node) and view.target is aten.reshape.default):
+            continue
+        cache, sizes = view.args[:2]
+        if not (isinstance(cache, torch.fx.Node) and "val" in cache.meta and "val" in view.meta):
+            continue
+        before, after = cache.meta["val"].shape, view.meta["val"].shape
+        if (fusion_config.device_allowed(cache.meta["val"].device) and len(before) >= 3 and len(after) == 3
+                and tuple(before[-2:]) == tuple(after[1:]) and list(sizes)[1:] == list(after[1:])):
+            view.args = (cache, [-1, *sizes[1:]])
 
 
 def _slice_write_parts(node: torch.fx.Node):
