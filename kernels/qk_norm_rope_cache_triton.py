@@ -9,8 +9,9 @@ One launch does, for every (batch b, head h, token s)::
 
 with Hugging Face's rounding (see ``qk_norm_rope_cache_reference.py``): statistics in fp32,
 the normalized row rounded to the model dtype, the weight product rounded, each RoPE product
-rounded and their sum rounded. All math runs in fp32 registers; every intermediate rounding
-is an explicit ``round to model dtype and back`` (``_round``).
+rounded and their sum rounded. All math is fp32 (or exact native half-precision ops, see
+"Rounding and exactness"); every intermediate rounding is an explicit ``round to model dtype
+and back`` (``_round``).
 
 Work decomposition
 ------------------
@@ -26,8 +27,10 @@ enough bytes in flight with fully used 16-byte accesses, and nothing else.
 * A program owns a tile of ``HEADS_PER_PROGRAM x TOKENS_PER_PROGRAM`` rows of one tensor,
   held as two ``[heads, tokens, D/2]`` fp32 tiles (the two RoPE halves: loading the halves
   separately makes ``rotate_half`` free, and each half-row is a contiguous 128-byte segment
-  for D = 128 bf16, i.e. 8 lanes x 16 bytes). cos/sin are loaded once per program as
-  ``[tokens, D/2]`` tiles and broadcast over its heads; the RMS statistic is a reduction
+  for D = 128 bf16, i.e. 8 lanes x 16 bytes). cos/sin are loaded in the same
+  ``[heads, tokens, D/2]`` layout with a zero head stride (each head re-reads its token's row
+  from L1), so no shared-memory layout conversion, and no barrier, stands between the loads and
+  the math (v5, see ``_load_cos_sin``); the RMS statistic is a reduction
   over the last axis of the two halves.
 * Tile size rule (``launch_config``): about ``TILE_ELEMENTS = 4096`` elements per program
   with 4 warps, i.e. 32 elements = four 16-byte vectors in flight per thread and ~16 KB of
@@ -40,9 +43,10 @@ enough bytes in flight with fully used 16-byte accesses, and nothing else.
   is no loop to software-pipeline). For S = 1, B = 1 it gives 14 programs: the case is
   launch-latency bound whatever the tiling. ``num_warps`` is 4, or fewer when the tile has
   fewer than one 16-byte vector per lane and half row (decode: 8 x 1 x 64 bf16 -> 2 warps).
-  Compiled offline for sm_90 (Triton 3.7 + ptxas) the bf16 D = 128 kernel takes ~52-62
-  registers, no spills (8-9 resident programs per SM, ~64 KB of loads in flight per SM), and
-  every q/k/v access is a 16-byte ``ld/st.global.v4``.
+  Compiled offline for sm_90 (Triton 3.7 + ptxas, ``enable_fp_fusion=False``) the bf16
+  D = 128 kernel (v5) takes 63 registers, no spills, no barriers (8 resident programs per SM,
+  ~64 KB of loads in flight per SM), and every q/k/v/cos/sin access is a 16-byte
+  ``ld/st.global.v4``.
 * Recompiles: ``seq_len`` is not specialized (``do_not_specialize``) and the only
   shape-dependent constexprs are the tile sizes, which take at most
   ``log2(rows / heads) + 1`` values (tokens per program 1, 2 or 4 for Qwen3 bf16): a new S
@@ -65,15 +69,20 @@ torch's own CUDA kernels use; positions reach 262144 radians, where ``cos.approx
 
 Rounding and exactness
 ----------------------
-The four RoPE products are rounded through an opaque ``cvt.rn`` (``rounding.py``). v1 wrote
-every rounding as ``x.to(bf16).to(fp32)``; the compiler turned the products into native bf16
-multiplies and contracted a multiply and the following add into one bf16 FMA (one rounding
-instead of two), so on the H200 ~12 % of the outputs differed from eager by up to 2.5
-RoPE-term ulps. v2 made every rounding opaque (exact, but 67 -> 85 us on the largest case);
-v3 only the products that feed an add. With those roundings kept, the only remaining source of difference is the fp32 statistic:
-Triton's tree reduction sums the squares in another order than torch's ``mean``, which
-flips the bf16 rounding of a normalized value only near a tie (measured: 2.8e-6 of the
-normalized values). fp16 behaves the same; fp32 agrees to a few fp32 ulps.
+Every rounding is written as ``x.to(dtype).to(fp32)`` (``rounding.round_to``) and the kernel is
+compiled with ``enable_fp_fusion=False`` (no FMA contraction, ptxas ``--fmad=false``). The
+compiler then turns each rounded product of two model-dtype values into a native
+``mul.rn.bf16`` and each rounded sum into ``add.rn.bf16`` / ``sub.rn.bf16``: correctly rounded,
+so the same bits as eager's fp32 op + round (a bf16 or fp16 product is exact in fp32, and an
+fp32 sum of two such values that is inexact is far from a bf16 tie). History: v1 used the same
+roundings with contraction on; the compiler fused a rounded product and the following add into
+one bf16 FMA (one rounding where eager rounds twice): ~12 % of the outputs differed from eager
+on the H200. v2 routed every rounding through an opaque inline-PTX ``cvt.rn`` (exact, 67 -> 85
+us on the largest case: instruction-bound), v3 only the four RoPE products (74 us); v4 is this
+scheme. The only remaining source of difference is the fp32 statistic: Triton's tree
+reduction sums the squares in another order than torch's ``mean``, which flips the rounding of
+a normalized value only near a tie (measured: 2.8e-6 of the normalized values). fp16 behaves
+the same; fp32 agrees to a few fp32 ulps.
 
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) bf16 values are raw uint16
 and the fp32 -> bf16 cast truncates. The kernel therefore takes a constexpr ``INTERPRETED``
@@ -97,12 +106,14 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .rounding import round_to as _round
-from .rounding import round_to_opaque as _round_opaque
 
 #: Elements (one tensor, both halves) per program. 4096 with 4 warps = 32 elements per thread.
 TILE_ELEMENTS = 4096
 #: Warps per program.
 NUM_WARPS = 4
+#: Compiler options of every launch. Eager rounds each RoPE product, then the sum: with FMA
+#: contraction the compiler fuses a rounded product and the add into one bf16 FMA (one rounding).
+COMPILE_OPTIONS = dict(enable_fp_fusion=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,17 +130,19 @@ def _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_d):
 
 @triton.jit
 def _load_cos_sin(
-    cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_s64, token_mask, offs_d, d_mask,
+    cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
     stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
     attention_scaling,
     dtype: tl.constexpr, HALF: tl.constexpr, ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """cos/sin of this program's tokens as four fp32 ``[tokens, D/2]`` tiles (first/second half).
+    """cos/sin of this program's tokens as four fp32 tiles (first/second half), broadcast over heads.
 
-    (Loaded as 2-D tiles: the compiler moves these small tiles into the heads' layout. A 3-D
-    ``[1, tokens, D/2]`` load instead made it move the large head tiles into cos's layout.)
+    Tensor cos/sin are loaded straight into the ``[heads, tokens, D/2]`` layout of the head tiles,
+    each head re-reading its token's row (L1 hits): a ``[tokens, D/2]`` load would need one
+    shared-memory layout conversion per table, and the compiler serialized those (load, barrier,
+    convert, next load: four L2 round trips per program before any math; v1-v4). Computed cos/sin
+    stay ``[tokens, D/2]`` (computing them per head would repeat the transcendentals).
     """
-    mask = token_mask[:, None] & d_mask[None, :]
     if ROPE_FROM_POSITIONS:
         positions = tl.load(position_ids_ptr + batch * stride_pos_b + offs_s64 * stride_pos_s, mask=token_mask, other=0)
         inv_freq = tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
@@ -140,13 +153,15 @@ def _load_cos_sin(
         else:
             cos = libdevice.cos(freqs)
             sin = libdevice.sin(freqs)
-        cos = _round(cos * attention_scaling, dtype, INTERPRETED)
-        sin = _round(sin * attention_scaling, dtype, INTERPRETED)
+        cos = _round(cos * attention_scaling, dtype, INTERPRETED)[None, :, :]
+        sin = _round(sin * attention_scaling, dtype, INTERPRETED)[None, :, :]
         # emb = cat(freqs, freqs): both halves share one table.
         return cos, cos, sin, sin
     else:
-        cos_row = cos_ptr + batch * stride_cos_b + offs_s64[:, None] * stride_cos_s + offs_d[None, :]
-        sin_row = sin_ptr + batch * stride_sin_b + offs_s64[:, None] * stride_sin_s + offs_d[None, :]
+        mask = ((offs_h >= 0)[:, None] & token_mask[None, :])[:, :, None] & d_mask[None, None, :]
+        row = (offs_h * 0)[:, None, None] + offs_s64[None, :, None]  # same row for every head
+        cos_row = cos_ptr + batch * stride_cos_b + row * stride_cos_s + offs_d[None, None, :]
+        sin_row = sin_ptr + batch * stride_sin_b + row * stride_sin_s + offs_d[None, None, :]
         cos1 = tl.load(cos_row, mask=mask, other=0.0).to(tl.float32)
         cos2 = tl.load(cos_row + HALF, mask=mask, other=0.0).to(tl.float32)
         sin1 = tl.load(sin_row, mask=mask, other=0.0).to(tl.float32)
@@ -163,27 +178,26 @@ def _norm_rope(
 
     Returns the two halves of the result, rounded to ``dtype`` (held in fp32).
     """
+    # Weights first: their load then overlaps the statistic's reduction.
+    w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
+    w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
     # Qwen3RMSNorm: fp32 statistics, normalized row rounded, weight product rounded.
     mean_square = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) * (1.0 / HEAD_DIM)
     if INTERPRETED:
         rstd = tl.rsqrt(mean_square + eps)
     else:
         rstd = libdevice.rsqrt(mean_square + eps)
-    w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
-    w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
     y1 = _round(w1 * _round(x1 * rstd[:, :, None], dtype, INTERPRETED), dtype, INTERPRETED)
     y2 = _round(w2 * _round(x2 * rstd[:, :, None], dtype, INTERPRETED), dtype, INTERPRETED)
     # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1];
     # each product is rounded, then the sum. round(-a) == -round(a) under nearest-even.
-    c1 = cos1[None, :, :]
-    c2 = cos2[None, :, :]
-    s1 = sin1[None, :, :]
-    s2 = sin2[None, :, :]
-    # The products feed an add: opaque roundings, or the compiler fuses one into a bf16 FMA.
-    out1 = _round(_round_opaque(y1 * c1, dtype, INTERPRETED) - _round_opaque(y2 * s1, dtype, INTERPRETED),
-                  dtype, INTERPRETED)
-    out2 = _round(_round_opaque(y2 * c2, dtype, INTERPRETED) + _round_opaque(y1 * s2, dtype, INTERPRETED),
-                  dtype, INTERPRETED)
+    c1 = cos1
+    c2 = cos2
+    s1 = sin1
+    s2 = sin2
+    # Rounded products feeding an add: exact only because the launch disables FMA contraction.
+    out1 = _round(_round(y1 * c1, dtype, INTERPRETED) - _round(y2 * s1, dtype, INTERPRETED), dtype, INTERPRETED)
+    out2 = _round(_round(y2 * c2, dtype, INTERPRETED) + _round(y1 * s2, dtype, INTERPRETED), dtype, INTERPRETED)
     return out1, out2
 
 
@@ -243,7 +257,7 @@ def _qk_norm_rope_cache_kernel(
         x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         cos1, cos2, sin1, sin2 = _load_cos_sin(
-            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_s64, token_mask, offs_d, d_mask,
+            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
             stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
             attention_scaling, dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
         )
@@ -271,7 +285,7 @@ def _qk_norm_rope_cache_kernel(
             x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             x2 = tl.load(src + HALF, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             cos1, cos2, sin1, sin2 = _load_cos_sin(
-                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_s64, token_mask, offs_d, d_mask,
+                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
                 stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
                 attention_scaling, dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
             )
@@ -399,6 +413,7 @@ def _launch(
         ROPE_FROM_POSITIONS=from_positions,
         INTERPRETED=_interpreted(),
         num_warps=config.num_warps,
+        **COMPILE_OPTIONS,
     )
 
 

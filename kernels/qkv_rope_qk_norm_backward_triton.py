@@ -27,14 +27,17 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    ulp). Sums over heads / tokens are done in fp32 and rounded once (autograd rounds the q and
    k parts separately: a sub-ulp difference).
 
-   Rounding of the per-element R(.) above (``_rnd``, via kernels/rounding.py): on the GPU an
-   opaque inline-PTX ``cvt.rn.bf16.f32`` / ``cvt.rn.f16.f32`` (round to nearest even; opaque so
-   the compiler cannot fold the round trip away or contract a rounded product into an FMA);
-   under the interpreter, whose fp32 -> bf16 cast truncates, integer RNE on the fp32 bit pattern
-   for bf16 (numpy's correctly rounding cast for fp16). Both are RNE: same bits. Only the final
-   rounding of fp32 accumulators (``_round``: the partial-sum kernels and the fused GEMM kernel's
-   stores, once per output element) uses the integer RNE on the GPU as well. (v1 used the integer RNE for every rounding on the GPU:
-   ~8 integer ops x ~14 roundings per element made the pass compute-bound.)
+   Rounding of the per-element R(.) above (``_rnd``, via kernels/rounding.py ``round_to``): on the
+   GPU a plain ``.to(dtype).to(fp32)`` with the kernel compiled under ``enable_fp_fusion=False``,
+   so the compiler emits native ``mul.rn.bf16`` / ``add.rn.bf16`` (correctly rounded: the same
+   bits as eager's fp32 op + round) or one ``cvt.rn`` and never contracts a rounded product into
+   an FMA; under the interpreter, whose fp32 -> bf16 cast truncates, integer RNE on the fp32 bit
+   pattern for bf16 (numpy's correctly rounding cast for fp16). Both are RNE: same bits. Only
+   the final rounding of fp32 accumulators (``_round``: the partial-sum kernels and the fused
+   GEMM kernel's stores, once per output element) uses the integer RNE on the GPU as well.
+   (v1 used the integer RNE for every rounding on the GPU: ~8 integer ops x ~14 roundings per
+   element made the pass compute-bound; v2 an opaque inline-PTX ``cvt.rn`` for each: still
+   ~3 instructions per rounding.)
 
    Tiling (v2). 1-D grid ``[q programs | k programs | v programs]``. A tile is ``BH heads x BT
    tokens`` of one tensor, ~``ELEMENTWISE_TILE_ELEMENTS`` (4096) elements, held as two
@@ -52,9 +55,9 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
 
    Deterministic reductions, no atomics. Norm-weight grads: each q / k program writes one [D]
    fp32 partial row (its tiles, summed over heads and tokens) to ``[PQ + PK, D]``;
-   ``_sum_weight_partials_kernel`` sums rows [0, PQ) and [PQ, PQ + PK) in a fixed order.
+   ``_finish_partials_kernel`` sums rows [0, PQ) and [PQ, PQ + PK) in a fixed order.
    grad_cos/sin: each tile writes its per-token sums over its heads to an fp32 workspace
-   ``[q head blocks + k head blocks, M, 2*D]``; ``_sum_cos_sin_kernel`` sums over head blocks
+   ``[q head blocks + k head blocks, M, 2*D]``; the same ``_finish_partials_kernel`` launch sums over head blocks
    (outer) and, for a broadcast ``Bc == 1 < B``, over b (inner), rounding once. Neither workspace
    is touched when its grads are not requested. The partials do not depend on the program count,
    so grad_qkv and grad_cos/sin bits do not either (weight grads: within 1 ulp).
@@ -98,6 +101,7 @@ any strides with a contiguous last dim, D even, Bc in {1, B}, Hq and Hkv any (GQ
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -105,7 +109,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import round_to_bf16_opaque, round_to_fp16_opaque
+from .rounding import round_to
 
 # ----------------------------------------------------------------------------------------------
 # Tunables (explicit, documented above; the lead sets them from benchmarks/bench_backward.py).
@@ -114,6 +118,9 @@ ELEMENTWISE_PROGRAMS_PER_SM = 12  # program-count target of the elementwise pass
 ELEMENTWISE_MAX_TILES_PER_PROGRAM = 4  # cap on the token tiles one elementwise program walks
 ELEMENTWISE_TILE_ELEMENTS = 4096  # elements (heads x tokens x D) per elementwise tile
 ELEMENTWISE_NUM_WARPS = 4
+# Compiler options of the elementwise launch: autograd rounds each product, then the sum; with FMA
+# contraction the compiler would fuse a rounded product and the add into one FMA (see _rnd).
+COMPILE_OPTIONS = dict(enable_fp_fusion=False)
 # Largest M routed to the fused W-streaming GEMM kernel (must be <= 256). 0: cuBLAS everywhere.
 # Measured H200 2026-11-29: fused 128 us vs cuBLAS 47.6 us at M = 128, 79.5 vs 59.8 at M = 256.
 FUSED_GEMM_MAX_M = 0
@@ -159,6 +166,21 @@ def _sum(x, axis: tl.constexpr):
     was imported before ``TRITON_INTERPRET=1`` was set (a conftest importing torch first); the
     interpreter patches tl.reduce and never calls the combine function."""
     return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add4(a0, b0, c0, d0, a1, b1, c1, d1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1
+
+
+@triton.jit
+def _add6(a0, b0, c0, d0, e0, f0, a1, b1, c1, d1, e1, f1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1, f0 + f1
 
 
 @triton.jit
@@ -237,12 +259,12 @@ def _sum_partials(ws: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor | N
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _rnd(x, ROUND: tl.constexpr, INTERP: tl.constexpr):
-    """``_round`` for the hot loop: one ``cvt.rn`` on the GPU (see rounding.py: a plain
-    ``.to(bf16).to(fp32)`` pair is folded away by the compiler), bit arithmetic in the interpreter."""
+    """``_round`` for the hot loop: native half-precision rounding on the GPU (exact because the
+    elementwise kernel is compiled without FMA contraction), bit arithmetic in the interpreter."""
     if ROUND == 1:
-        return round_to_bf16_opaque(x, INTERP)
+        return round_to(x, tl.bfloat16, INTERP)
     elif ROUND == 2:
-        return round_to_fp16_opaque(x, INTERP)
+        return round_to(x, tl.float16, INTERP)
     else:
         return x
 
@@ -287,13 +309,16 @@ def _qk_tile(
     q2 = tl.load(x_ptr + x_off + HALF, mask=m3, other=0.0, eviction_policy="evict_first")
     r = tl.load(r_ptr + h[:, None] * r_sh + (b * r_sb + s * r_ss)[None, :],
                 mask=hm[:, None] & tm[None, :], other=0.0)
-    # cos/sin as 2-D [BT, D/2] tiles, broadcast over heads (as in the forward kernel).
-    c_row = cos_ptr + (b * cos_sb + s * cos_ss)[:, None] + d[None, :]
-    s_row = sin_ptr + (b * sin_sb + s * sin_ss)[:, None] + d[None, :]
-    c1 = tl.load(c_row, mask=m2, other=0.0).to(tl.float32)[None, :, :]
-    c2 = tl.load(c_row + HALF, mask=m2, other=0.0).to(tl.float32)[None, :, :]
-    s1 = tl.load(s_row, mask=m2, other=0.0).to(tl.float32)[None, :, :]
-    s2 = tl.load(s_row + HALF, mask=m2, other=0.0).to(tl.float32)[None, :, :]
+    # cos/sin loaded straight into the [BH, BT, D/2] layout of the head tiles (zero head stride:
+    # each head re-reads its token's row from L1). A [BT, D/2] load needs a shared-memory layout
+    # conversion per table, and the compiler serializes those (load, barrier, convert, next load).
+    zero_h = (h * 0)[:, None, None]
+    c_row = cos_ptr + zero_h + (b * cos_sb + s * cos_ss)[None, :, None] + d3
+    s_row = sin_ptr + zero_h + (b * sin_sb + s * sin_ss)[None, :, None] + d3
+    c1 = tl.load(c_row, mask=m3, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + HALF, mask=m3, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row, mask=m3, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + HALF, mask=m3, other=0.0).to(tl.float32)
     g1 = g1.to(tl.float32)
     g2 = g2.to(tl.float32)
     q1 = q1.to(tl.float32)
@@ -304,13 +329,6 @@ def _qk_tile(
     x1 = _rnd(_rnd(q1 * c1, ROUND, INTERP) - _rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
     x2 = _rnd(_rnd(q2 * c2, ROUND, INTERP) + _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
 
-    # y = w * R(x*r): weight grad (per element rounded like autograd's mul backward).
-    if NEED_W:
-        gw1 = _sum(_sum(_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP), 0), 0)
-        gw2 = _sum(_sum(_rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP), 0), 0)
-    else:
-        gw1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
-        gw2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
     gn1 = _rnd(g1 * w1[None, None, :], ROUND, INTERP)
     gn2 = _rnd(g2 * w2[None, None, :], ROUND, INTERP)
 
@@ -320,16 +338,35 @@ def _qk_tile(
     dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
     dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
 
+    # Sums over this tile's heads, all in ONE multi-operand reduction: a reduction over heads
+    # crosses warps (shared memory + barriers), and v2's six separate ones made the optional
+    # grads cost 3x the rest of the pass (H200: 250 vs 84 us at M = 8192).
+    # Weight grad of y = w * R(x*r), per element rounded like autograd's mul backward;
     # cos/sin grads: t1 = q*cos -> dcos += dx*q; t2 = rotate_half(q)*sin -> dsin += dx*cat(-q2, q1).
+    gw1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+    gw2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
+    if NEED_W and NEED_CS:
+        pw1, pw2, gc1, gc2, gs1, gs2 = tl.reduce(
+            (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
+             _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP),
+             _rnd(dx1 * q1, ROUND, INTERP), _rnd(dx2 * q2, ROUND, INTERP),
+             _rnd(dx1 * q2, ROUND, INTERP), _rnd(dx2 * q1, ROUND, INTERP)),
+            0, _add6)  # each [BT, BLOCK_HALF]
+        gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
+    elif NEED_W:
+        pw1, pw2 = tl.reduce(
+            (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
+             _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP)), 0, _add2)
+        gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
+    elif NEED_CS:
+        gc1, gc2, gs1, gs2 = tl.reduce(
+            (_rnd(dx1 * q1, ROUND, INTERP), _rnd(dx2 * q2, ROUND, INTERP),
+             _rnd(dx1 * q2, ROUND, INTERP), _rnd(dx2 * q1, ROUND, INTERP)), 0, _add4)
     if NEED_CS:
-        gc1 = _sum(_rnd(dx1 * q1, ROUND, INTERP), 0)  # [BT, BLOCK_HALF]
-        gc2 = _sum(_rnd(dx2 * q2, ROUND, INTERP), 0)
-        gs1 = -_sum(_rnd(dx1 * q2, ROUND, INTERP), 0)
-        gs2 = _sum(_rnd(dx2 * q1, ROUND, INTERP), 0)
         cs_row = cs_ptr + t[:, None] * (2 * D) + d[None, :]
         tl.store(cs_row, gc1, mask=m2)
         tl.store(cs_row + HALF, gc2, mask=m2)
-        tl.store(cs_row + D, gs1, mask=m2)
+        tl.store(cs_row + D, -gs1, mask=m2)
         tl.store(cs_row + (D + HALF), gs2, mask=m2)
 
     # RoPE backward: dq = dx*cos + rotate_half^T(dx*sin), rotate_half^T(y) = cat(y2, -y1).
@@ -439,57 +476,59 @@ def _qk_norm_rope_bwd_kernel(
 
 
 @triton.jit
-def _sum_weight_partials_kernel(
-    ws_ptr,  # [PA + PB, L] fp32
-    out_a_ptr, out_b_ptr,  # rows [0, PA) -> out_a, rows [PA, PA + PB) -> out_b
-    PA, PB, L,
-    ROUND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
-):
-    """Fixed-order sum of two row ranges (chunks of BLOCK_P rows, tree within a chunk)."""
-    pid = tl.program_id(0)
-    which = tl.program_id(1)
-    cols = pid * BLOCK_L + tl.arange(0, BLOCK_L)
-    cmask = cols < L
-    r0 = tl.where(which == 0, 0, PA)
-    P = tl.where(which == 0, PA, PB)
-    rows = tl.arange(0, BLOCK_P)
-    acc = tl.full([BLOCK_L], 0.0, tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        r = p0 + rows
-        tile = tl.load(ws_ptr + (r0 + r).to(tl.int64)[:, None] * L + cols[None, :],
-                       mask=(r < P)[:, None] & cmask[None, :], other=0.0)
-        acc += _sum(tile, 0)
-    acc = _round(acc, ROUND)
-    if which == 0:
-        tl.store(out_a_ptr + cols, acc, mask=cmask)
-    else:
-        tl.store(out_b_ptr + cols, acc, mask=cmask)
-
-
-@triton.jit
-def _sum_cos_sin_kernel(
-    ws_ptr,  # [NHB, M, 2*D] fp32 partial rows
+def _finish_partials_kernel(
+    gw_ws_ptr,  # [PA + PB, D] fp32 norm-weight partial rows (NEED_W)
+    gqw_ptr, gkw_ptr,  # rows [0, PA) -> grad_q_weight, rows [PA, PA + PB) -> grad_k_weight
+    cs_ws_ptr,  # [NHB, M, 2*D] fp32 cos/sin partial rows (NEED_CS)
     gc_ptr, gs_ptr,  # grad_cos / grad_sin [Bc, S, D], contiguous
-    R, M, S, NHB, NB,  # R = Bc * S output rows; NB = B when Bc == 1 < B (sum over b), else 1
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_2D: tl.constexpr, ROUND: tl.constexpr,
+    PA, PB, R, M, S, NHB, NB,  # R = Bc * S output rows; NB = B when Bc == 1 < B (sum over b), else 1
+    CS_PROGRAMS,  # programs [0, CS_PROGRAMS) do cos/sin, the next 2 * cdiv(D, BLOCK_L) the weights
+    D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_2D: tl.constexpr, W_ROUND: tl.constexpr, CS_ROUND: tl.constexpr,
+    NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
 ):
-    """grad_cos/sin[r] = sum over head blocks (outer) and b (inner) of ws[hb, b*S + r], fixed order."""
+    """Both fixed-order sums of the elementwise pass's partials, in one launch (one launch less
+    of host time per backward). cos/sin: grad[r] = sum over head blocks (outer) and b (inner) of
+    ws[hb, b*S + r]. Weights: sum of a row range in chunks of BLOCK_P rows, tree within a chunk."""
     pid = tl.program_id(0)
-    r = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    c = tl.arange(0, BLOCK_2D)
-    mask = (r < R)[:, None] & (c < 2 * D)[None, :]
-    acc = tl.full([BLOCK_T, BLOCK_2D], 0.0, tl.float32)
-    row_hb = r  # int64 row of (hb, b = 0)
-    for hb in range(0, NHB):
-        row = row_hb
-        for bb in range(0, NB):
-            acc += tl.load(ws_ptr + row[:, None] * (2 * D) + c[None, :], mask=mask, other=0.0)
-            row += S
-        row_hb += M
-    acc = _round(acc, ROUND)
-    is_c = (c < D)[None, :]
-    tl.store(gc_ptr + r[:, None] * D + c[None, :], acc, mask=mask & is_c)
-    tl.store(gs_ptr + r[:, None] * D + (c - D)[None, :], acc, mask=mask & (c >= D)[None, :])
+    if pid < CS_PROGRAMS:
+        if NEED_CS:
+            r = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+            c = tl.arange(0, BLOCK_2D)
+            mask = (r < R)[:, None] & (c < 2 * D)[None, :]
+            # (Names differ between the branches: Triton unifies same-named variables of an if/else.)
+            cs_acc = tl.full([BLOCK_T, BLOCK_2D], 0.0, tl.float32)
+            row_hb = r  # int64 row of (hb, b = 0)
+            for hb in range(0, NHB):
+                row = row_hb
+                for bb in range(0, NB):
+                    cs_acc += tl.load(cs_ws_ptr + row[:, None] * (2 * D) + c[None, :], mask=mask, other=0.0)
+                    row += S
+                row_hb += M
+            cs_acc = _round(cs_acc, CS_ROUND)
+            tl.store(gc_ptr + r[:, None] * D + c[None, :], cs_acc, mask=mask & (c < D)[None, :])
+            tl.store(gs_ptr + r[:, None] * D + (c - D)[None, :], cs_acc, mask=mask & (c >= D)[None, :])
+    else:
+        if NEED_W:
+            col_blocks = (D + BLOCK_L - 1) // BLOCK_L
+            p = pid - CS_PROGRAMS
+            which = p // col_blocks
+            cols = (p - which * col_blocks) * BLOCK_L + tl.arange(0, BLOCK_L)
+            cmask = cols < D
+            r0 = tl.where(which == 0, 0, PA)
+            P = tl.where(which == 0, PA, PB)
+            rows = tl.arange(0, BLOCK_P)
+            w_acc = tl.full([BLOCK_L], 0.0, tl.float32)
+            for p0 in range(0, P, BLOCK_P):
+                rr = p0 + rows
+                tile = tl.load(gw_ws_ptr + (r0 + rr).to(tl.int64)[:, None] * D + cols[None, :],
+                               mask=(rr < P)[:, None] & cmask[None, :], other=0.0)
+                w_acc += _sum(tile, 0)
+            w_acc = _round(w_acc, W_ROUND)
+            if which == 0:
+                tl.store(gqw_ptr + cols, w_acc, mask=cmask)
+            else:
+                tl.store(gkw_ptr + cols, w_acc, mask=cmask)
 
 
 def elementwise_supported(grad_q, grad_k, grad_v, q, k, cos, sin, q_weight, k_weight) -> bool:
@@ -529,6 +568,79 @@ def _rstd_strides(r: torch.Tensor, B: int, H: int, S: int, name: str) -> tuple[i
         raise ValueError(f"qk_norm_rope_backward_triton: {name}: expected [B, H, S] (or [B, H, S, 1]), "
                          f"got {tuple(r.shape)}")
     return r.stride(0), r.stride(1), r.stride(2)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class _ElementwisePlan:
+    """Tiles and grids of one elementwise backward launch (module docstring, "Tiling")."""
+
+    BLOCK_HALF: int
+    BLOCK_D: int
+    BHQ: int
+    BTQ: int
+    BHK: int  # v tiles are k's (BLOCK_D == 2 * BLOCK_HALF for even D)
+    BTK: int
+    nqb: int
+    nkb: int
+    ntt_q: int
+    ntt_k: int
+    GQ: int
+    GK: int
+    PQ: int
+    PK: int
+    programs: int
+    # the finishing launch
+    BLOCK_P: int
+    BLOCK_L: int
+    w_programs: int
+    BLOCK_2D: int
+    BLOCK_T: int
+    cs_programs: int
+
+
+# A pure function of a few ints, called on every backward: cached, the host pays one dict lookup
+# (triton.cdiv / next_power_of_2 cost ~3 us each as Python calls: ~60 us per backward uncached).
+@functools.lru_cache(maxsize=4096)
+def _elementwise_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w: bool, need_cs: bool,
+                      target_programs: int, num_programs: int | None) -> _ElementwisePlan:
+    M = B * S
+    block_half, block_d, m_pow2 = _next_pow2(D // 2), _next_pow2(D), _next_pow2(M)
+
+    def tile(H: int) -> tuple[int, int]:
+        # heads: all heads of the kind up to TILE / width rows; tokens: the rest of the tile.
+        bh = min(_next_pow2(H), max(1, ELEMENTWISE_TILE_ELEMENTS // block_d))
+        return bh, min(m_pow2, max(1, ELEMENTWISE_TILE_ELEMENTS // (bh * block_d)))
+
+    bhq, btq = tile(HQ)
+    bhk, btk = tile(HKV)
+    nqb, nkb = _cdiv(HQ, bhq), _cdiv(HKV, bhk)
+    ntt_q, ntt_k = _cdiv(M, btq), _cdiv(M, btk)
+    total_tiles = nqb * ntt_q + 2 * nkb * ntt_k
+    if num_programs is None:
+        tiles_per_program = min(ELEMENTWISE_MAX_TILES_PER_PROGRAM, _cdiv(total_tiles, target_programs))
+    else:  # tests: about num_programs programs, however many tiles each
+        tiles_per_program = _cdiv(total_tiles, max(1, num_programs))
+    tiles_per_program = max(1, tiles_per_program)
+    gq, gk = _cdiv(ntt_q, tiles_per_program), _cdiv(ntt_k, tiles_per_program)
+    pq, pk = nqb * gq, nkb * gk
+    block_p = min(1024, _next_pow2(max(pq, pk)))
+    block_l = max(8, min(block_d, 8192 // block_p))
+    block_2d = _next_pow2(2 * D)
+    block_t = max(1, min(_next_pow2(Bc * S), 4096 // block_2d))
+    return _ElementwisePlan(
+        BLOCK_HALF=block_half, BLOCK_D=block_d, BHQ=bhq, BTQ=btq, BHK=bhk, BTK=btk, nqb=nqb, nkb=nkb,
+        ntt_q=ntt_q, ntt_k=ntt_k, GQ=gq, GK=gk, PQ=pq, PK=pk, programs=pq + 2 * pk,
+        BLOCK_P=block_p, BLOCK_L=block_l, w_programs=2 * _cdiv(D, block_l) if need_w else 0,
+        BLOCK_2D=block_2d, BLOCK_T=block_t, cs_programs=_cdiv(Bc * S, block_t) if need_cs else 0,
+    )
 
 
 def qk_norm_rope_backward_triton(
@@ -615,38 +727,15 @@ def qk_norm_rope_backward_triton(
         gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
         return gw[0], gw[1], gcs[0], gcs[1]
 
-    HALF = D // 2
-    BLOCK_HALF = triton.next_power_of_2(HALF)
-    BLOCK_D = triton.next_power_of_2(D)
-    m_pow2 = triton.next_power_of_2(M)
-
-    def tile(H: int, width: int) -> tuple[int, int]:
-        # heads: all heads of the kind up to TILE / width rows; tokens: the rest of the tile.
-        bh = min(triton.next_power_of_2(H), max(1, ELEMENTWISE_TILE_ELEMENTS // width))
-        bt = min(m_pow2, max(1, ELEMENTWISE_TILE_ELEMENTS // (bh * width)))
-        return bh, bt
-
-    BHQ, BTQ = tile(HQ, BLOCK_D)
-    BHK, BTK = tile(HKV, BLOCK_D)
-    BHV, BTV = BHK, BTK  # v tiles are k's (BLOCK_D == 2 * BLOCK_HALF for even D)
-    nqb, nkb = triton.cdiv(HQ, BHQ), triton.cdiv(HKV, BHK)
-    ntt_q, ntt_k = triton.cdiv(M, BTQ), triton.cdiv(M, BTK)
-    total_tiles = nqb * ntt_q + 2 * nkb * ntt_k
-    if num_programs is None:
-        target = ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q)
-        tiles_per_program = min(ELEMENTWISE_MAX_TILES_PER_PROGRAM, triton.cdiv(total_tiles, target))
-    else:  # tests: about num_programs programs, however many tiles each
-        tiles_per_program = triton.cdiv(total_tiles, max(1, num_programs))
-    tiles_per_program = max(1, tiles_per_program)
-    GQ = triton.cdiv(ntt_q, tiles_per_program)
-    GK = triton.cdiv(ntt_k, tiles_per_program)
-    PQ, PK, PV = nqb * GQ, nkb * GK, nkb * GK
+    plan = _elementwise_plan(B, S, HQ, HKV, D, Bc, need_weight_grad, need_cos_sin_grad,
+                             ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q), num_programs)
+    PQ, PK, nqb, nkb = plan.PQ, plan.PK, plan.nqb, plan.nkb
     gw_ws = torch.empty((PQ + PK, D) if need_weight_grad else (1,), device=dev, dtype=torch.float32)
     cs_ws = torch.empty((nqb + nkb, M, 2 * D) if need_cos_sin_grad else (1,), device=dev,
                         dtype=torch.float32)
     interp = not q.is_cuda
 
-    _qk_norm_rope_bwd_kernel[(PQ + PK + PV,)](
+    _qk_norm_rope_bwd_kernel[(plan.programs,)](
         grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
         grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
         grad_v, grad_v.stride(0), grad_v.stride(1), grad_v.stride(2),
@@ -661,35 +750,35 @@ def qk_norm_rope_backward_triton(
         grad_k_proj, dk_sb, dk_ss,
         grad_v_proj, dv_sb, dv_ss,
         gw_ws, cs_ws,
-        M, S, GQ, GK, GK, ntt_q, ntt_k,
-        HQ=HQ, HKV=HKV, D=D, HALF=HALF, BLOCK_HALF=BLOCK_HALF, BLOCK_D=BLOCK_D,
-        BHQ=BHQ, BTQ=BTQ, BHK=BHK, BTK=BTK, BHV=BHV, BTV=BTV,
+        M, S, plan.GQ, plan.GK, plan.GK, plan.ntt_q, plan.ntt_k,
+        HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D,
+        BHQ=plan.BHQ, BTQ=plan.BTQ, BHK=plan.BHK, BTK=plan.BTK, BHV=plan.BHK, BTV=plan.BTK,
         ROUND=_ROUND_MODE[dtype], INTERP=interp, NEED_W=need_weight_grad, NEED_CS=need_cos_sin_grad,
         num_warps=ELEMENTWISE_NUM_WARPS,
+        **COMPILE_OPTIONS,
     )
 
     grad_qw = grad_kw = grad_cos = grad_sin = None
-    if need_weight_grad:
-        grad_qw = torch.empty((D,), device=dev, dtype=q_weight.dtype)
-        grad_kw = torch.empty((D,), device=dev, dtype=k_weight.dtype)
-        P = max(PQ, PK)
-        BLOCK_P = min(1024, triton.next_power_of_2(P))
-        BLOCK_L = max(8, min(triton.next_power_of_2(D), 8192 // BLOCK_P))
-        _sum_weight_partials_kernel[(triton.cdiv(D, BLOCK_L), 2)](
-            gw_ws, grad_qw, grad_kw, PQ, PK, D,
-            ROUND=_ROUND_MODE[q_weight.dtype], BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, num_warps=4,
+    if need_weight_grad or need_cos_sin_grad:
+        grad_qw = grad_kw = gw_ws  # placeholders for unused pointers (constexpr branches)
+        grad_cos = grad_sin = cs_ws
+        if need_weight_grad:
+            grad_qw = torch.empty((D,), device=dev, dtype=q_weight.dtype)
+            grad_kw = torch.empty((D,), device=dev, dtype=k_weight.dtype)
+        if need_cos_sin_grad:
+            grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
+            grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
+        _finish_partials_kernel[(plan.cs_programs + plan.w_programs,)](
+            gw_ws, grad_qw, grad_kw, cs_ws, grad_cos, grad_sin,
+            PQ, PK, Bc * S, M, S, nqb + nkb, B if Bc == 1 else 1, plan.cs_programs,
+            D=D, BLOCK_P=plan.BLOCK_P, BLOCK_L=plan.BLOCK_L, BLOCK_T=plan.BLOCK_T, BLOCK_2D=plan.BLOCK_2D,
+            W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype],
+            NEED_W=need_weight_grad, NEED_CS=need_cos_sin_grad, num_warps=4,
         )
-    if need_cos_sin_grad:
-        grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
-        grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
-        R = Bc * S
-        NB = B if Bc == 1 else 1
-        BLOCK_2D = triton.next_power_of_2(2 * D)
-        BLOCK_T = max(1, min(triton.next_power_of_2(R), 4096 // BLOCK_2D))
-        _sum_cos_sin_kernel[(triton.cdiv(R, BLOCK_T),)](
-            cs_ws, grad_cos, grad_sin, R, M, S, nqb + nkb, NB,
-            D=D, BLOCK_T=BLOCK_T, BLOCK_2D=BLOCK_2D, ROUND=_ROUND_MODE[cos.dtype], num_warps=4,
-        )
+        if not need_weight_grad:
+            grad_qw = grad_kw = None
+        if not need_cos_sin_grad:
+            grad_cos = grad_sin = None
     return grad_qw, grad_kw, grad_cos, grad_sin
 
 

@@ -1,4 +1,11 @@
 import os
+import sys
+
+# `python -m pytest` puts the repository root on sys.path, where transformers (probing for the
+# Hugging Face `kernels` package) would import our kernels/ folder a second time as top-level
+# `kernels` and register the fusion_pass ops twice. The installed package is what tests import.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO_ROOT]
 
 # Without a GPU, Triton kernels run in the interpreter on CPU tensors. This must be set
 # before anything imports triton (fusion_pass and torch._inductor do): triton.language's own

@@ -1,0 +1,114 @@
+"""Compile our Triton kernels for sm_90 (Hopper) on a machine without a GPU, and report on them.
+
+Run as a script (``python tests/sm90_compile_check.py``) in a process where ``TRITON_INTERPRET`` is
+unset: under the interpreter ``@triton.jit`` functions cannot be compiled. Prints one JSON object:
+``{variant: {"ok": bool, "error": str, "fma_bf16": int, "registers": int, "spill_bytes": int,
+"barriers": int}}``. ``tests/test_kernels_compile_for_sm90.py`` runs it and asserts on the result:
+a kernel that compiles under the CPU interpreter can still fail Triton's compiler (the interpreter
+does not type-check both branches of an ``if``), and only the real compiler shows whether a rounded
+product was contracted into a bf16 FMA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fusion_pass.kernels import qk_norm_rope_cache_triton as forward
+from fusion_pass.kernels import qkv_rope_qk_norm_backward_triton as backward
+
+TARGET = GPUTarget("cuda", 90, 32)
+# Scalars that must not be assumed divisible by 16 (the launcher passes them unaligned too).
+UNALIGNED = {"q_eps", "k_eps", "attention_scaling", "seq_len", "GQ", "GK", "GV", "NTT_Q", "NTT_KV",
+             "stride_cache_position", "stride_pos_s", "CS_PROGRAMS", "PA", "PB", "NHB", "NB"}
+
+
+def compile_variant(fn, pointer_types: dict, constexprs: dict, float_args: set, options: dict) -> dict:
+    """Compile ``fn`` for sm_90 with the given constexprs; every other argument is an int (i32),
+    a float (fp32) or a pointer (``pointer_types[name]``, default ``*bf16``), and ints and pointers
+    are declared 16-divisible unless listed in UNALIGNED (as Triton specializes typical launches)."""
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointer_types.get(name, "*bf16")
+        elif name in float_args:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if signature[name] not in ("constexpr", "fp32") and name not in UNALIGNED}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options)
+    ptx = kernel.asm["ptx"]
+    ptxas = [triton.knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", "-o", os.devnull]
+    if not options.get("enable_fp_fusion", True):
+        ptxas.append("--fmad=false")
+    with open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sm90_{os.getpid()}.ptx"), "w") as f:
+        f.write(ptx)
+    info = subprocess.run(ptxas + [f.name], capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    registers = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    return dict(
+        ok=True,
+        fma_bf16=len(re.findall(r"\bfma\.rn\.bf16", ptx)),
+        registers=int(registers.group(1)) if registers else -1,
+        spill_bytes=int(spills.group(1)) if spills else -1,
+        barriers=len(re.findall(r"\bbar\.sync\b", ptx)),
+    )
+
+
+def variants() -> dict:
+    fwd_pointers = {"position_ids_ptr": "*i64", "cache_position_ptr": "*i64", "inv_freq_ptr": "*fp32"}
+    fwd_floats = {"q_eps", "k_eps", "attention_scaling"}
+    bwd_pointers = {"rq_ptr": "*fp32", "rk_ptr": "*fp32", "gw_ws_ptr": "*fp32", "cs_ws_ptr": "*fp32"}
+    out = {}
+    for rope_from_positions in (False, True):
+        constexprs = dict(HEAD_DIM=128, HALF_BLOCK=64, HEADS_PER_PROGRAM=8, TOKENS_PER_PROGRAM=4,
+                          ROPE_FROM_POSITIONS=rope_from_positions, INTERPRETED=False)
+        out[f"forward_bf16_d128{'_from_positions' if rope_from_positions else ''}"] = (
+            forward._qk_norm_rope_cache_kernel, fwd_pointers, constexprs, fwd_floats,
+            dict(num_warps=4, **forward.COMPILE_OPTIONS))
+    # Control: the same kernel with contraction on must show the bf16 FMAs the options prevent.
+    out["control_forward_bf16_d128_fp_fusion_on"] = (
+        forward._qk_norm_rope_cache_kernel, fwd_pointers, dict(out["forward_bf16_d128"][2]), fwd_floats,
+        dict(num_warps=4, enable_fp_fusion=True))
+    for need in (False, True):
+        constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BHQ=32, BTQ=1, BHK=8,
+                          BTK=4, BHV=8, BTV=4, ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need)
+        out[f"backward_elementwise_bf16_d128{'_with_grads' if need else ''}"] = (
+            backward._qk_norm_rope_bwd_kernel, bwd_pointers, constexprs, set(),
+            dict(num_warps=backward.ELEMENTWISE_NUM_WARPS, **backward.COMPILE_OPTIONS))
+    for need_w, need_cs in ((True, True), (True, False), (False, True)):
+        constexprs = dict(D=128, BLOCK_P=256, BLOCK_L=32, BLOCK_T=16, BLOCK_2D=256, W_ROUND=1, CS_ROUND=1,
+                          NEED_W=need_w, NEED_CS=need_cs)
+        out[f"backward_finish_w{int(need_w)}_cs{int(need_cs)}"] = (
+            backward._finish_partials_kernel, {"gw_ws_ptr": "*fp32", "cs_ws_ptr": "*fp32"}, constexprs,
+            set(), dict(num_warps=4))
+    return out
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter cannot compile kernels", file=sys.stderr)
+        return 2
+    report = {}
+    for name, (fn, pointers, constexprs, floats, options) in variants().items():
+        try:
+            report[name] = compile_variant(fn, pointers, constexprs, floats, options)
+        except Exception as e:  # noqa: BLE001 - reported per variant, the test asserts on it
+            report[name] = dict(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

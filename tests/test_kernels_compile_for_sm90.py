@@ -1,0 +1,62 @@
+"""The Triton kernels compile for Hopper (sm_90) with Triton's real compiler, on a CPU-only machine.
+
+The CPU tests run the kernels in Triton's interpreter, which accepts code the compiler rejects
+(e.g. a variable whose shape differs between the branches of an ``if``: an H200 run once failed
+that way after every CPU test had passed). Here ``tests/sm90_compile_check.py`` compiles each
+launched variant to PTX and sm_90a machine code (Triton's bundled ptxas) and reports properties
+that the H200 measurements rest on:
+
+- no ``fma.rn.bf16`` (a rounded product contracted with an add rounds once where eager rounds
+  twice; the launch options disable contraction), checked against a control compiled with
+  contraction on, which must show such FMAs;
+- no register spills; the forward kernel without shared-memory barriers (v5: cos/sin loaded in
+  the head tiles' layout) and within 80 registers (>= 6 resident 4-warp programs per SM).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.lru_cache(maxsize=1)
+def report() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join(HERE, "sm90_compile_check.py")], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=HERE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+VARIANTS = [
+    "forward_bf16_d128", "forward_bf16_d128_from_positions", "backward_elementwise_bf16_d128",
+    "backward_elementwise_bf16_d128_with_grads", "backward_finish_w1_cs1", "backward_finish_w1_cs0",
+    "backward_finish_w0_cs1",
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiles_without_bf16_fma_or_spills(variant):
+    r = report()[variant]
+    assert r["ok"], r.get("error")
+    assert r["fma_bf16"] == 0, r
+    assert r["spill_bytes"] == 0, r
+
+
+def test_contraction_control_shows_the_fmas_the_options_prevent():
+    r = report()["control_forward_bf16_d128_fp_fusion_on"]
+    assert r["ok"], r.get("error")
+    assert r["fma_bf16"] > 0, r
+
+
+def test_forward_kernel_has_no_layout_conversion_barriers_and_few_registers():
+    r = report()["forward_bf16_d128"]
+    assert r["barriers"] == 0, r
+    assert 0 < r["registers"] <= 80, r
