@@ -243,6 +243,14 @@ def run_gpu(args) -> int:
     def bench(fn):
         return do_bench(fn, return_mode="median") * 1e3  # us
 
+    def bench_graph(fn):
+        # Device time without the host's launch cost: the calls replayed as one CUDA graph.
+        try:
+            return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
+        except Exception as e:  # noqa: BLE001 - recorded as missing, the run goes on
+            log(f"    graph replay failed: {type(e).__name__}: {str(e)[:200]}")
+            return None
+
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
@@ -254,7 +262,15 @@ def run_gpu(args) -> int:
     log(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}")
     copy_tbps, mm_tflops = measure_ceilings()
     log(f"ceilings: copy {copy_tbps:.2f} TB/s (read+write), bf16 matmul {mm_tflops:.0f} TFLOP/s")
-    compiled = torch.compile(eager_backward, dynamic=False) if not args.no_compile else None
+    stock_from = None
+    if args.stock_from:
+        earlier = json.loads(pathlib.Path(args.stock_from).read_text())
+        if (earlier.get("torch"), earlier.get("triton")) != (torch.__version__, triton.__version__):
+            raise SystemExit(f"--stock-from {args.stock_from}: other torch/triton versions than this run's")
+        stock_from = {(c["S"], c["B"]): c for c in earlier["cases"]}
+        log(f"stock torch.compile column taken from {args.stock_from} ({earlier.get('date')})")
+    compiled = (torch.compile(eager_backward, dynamic=False)
+                if not args.no_compile and stock_from is None else None)
     compile_spent = 0.0
 
     rows = []
@@ -296,18 +312,29 @@ def run_gpu(args) -> int:
 
         elementwise_us = bench(elementwise)
         fusion_us = bench(lambda: ours(t))
+        elementwise_graph_us = bench_graph(elementwise)
+        fusion_graph_us = bench_graph(lambda: ours(t))
+        gemms_graph_us = bench_graph(lambda: (torch.mm(g_rand, t["W"]), torch.mm(g_rand.t(), h2)))
         eager_us = bench(lambda: eager_backward(*wargs))
         stock_us = bench(lambda: compiled(*wargs)) if stock_err is not None else None
+        if stock_from is not None:
+            stock_us = stock_from.get((S, B), {}).get("stock_compile_us")
+            stock_err = stock_from.get((S, B), {}).get("stock_compile_rel_err")
         an = anchors.get((S, B), {})
         row = dict(S=S, B=B, M=M, flops=flops, bytes=nbytes, floor_us=floor_us, gemms_us=gemms_us,
                    eager_us=eager_us, stock_compile_us=stock_us, fusion_pass_us=fusion_us,
                    elementwise_us=elementwise_us, gemm_us=gemm_us, gemm_variants_us=variants or None,
+                   fusion_pass_graph_us=fusion_graph_us, elementwise_graph_us=elementwise_graph_us,
+                   gemms_graph_us=gemms_graph_us,
                    gemm_route="fused" if (M <= kb.FUSED_GEMM_MAX_M) else "torch",
                    rel_err=err, rel_err_per_output=dict(zip(
                        ("grad_hidden", "grad_cos", "grad_sin", "grad_W", "grad_q_norm_w", "grad_k_norm_w"), errs)),
                    eager_rel_err=eager_err, stock_compile_rel_err=stock_err,
                    anchor_gemms_us=an.get("cublas_two_gemms_us"), anchor_stock_compile_us=an.get("compiled_us"))
         rows.append(row)
+        # A run cut short keeps the cases it measured.
+        (out_dir / f"{date}-h200-backward.partial.json").write_text(json.dumps(
+            dict(copy_TBps=copy_tbps, mm_TFLOPs=mm_tflops, cases=rows), indent=1))
         log(f"S={S:5d} B={B:3d} M={M:5d}  floor {floor_us:7.1f}  gemms {gemms_us:7.1f}  eager {eager_us:7.1f}  "
             f"stock {stock_us if stock_us is None else round(stock_us, 1)}  ours {fusion_us:7.1f} "
             f"({fusion_us / floor_us:.2f}x floor; elementwise {elementwise_us:.1f} + gemm {gemm_us:.1f})  "
@@ -321,9 +348,12 @@ def run_gpu(args) -> int:
         return sum(vals) / len(vals) if len(vals) == len(rows) else None
 
     means = {k: mean(k) for k in ("floor_us", "gemms_us", "eager_us", "stock_compile_us", "fusion_pass_us",
-                                  "elementwise_us", "gemm_us")}
+                                  "elementwise_us", "gemm_us", "fusion_pass_graph_us", "elementwise_graph_us",
+                                  "gemms_graph_us")}
     summary = dict(suite="B", gpu=gpu, torch=torch.__version__, triton=triton.__version__, date=date,
                    mm_TFLOPs=mm_tflops, copy_TBps=copy_tbps, cases_selected=args.cases, means=means,
+                   stock_compile_source=(f"{os.path.basename(args.stock_from)} (an earlier run, same GPU and "
+                                         "versions)" if args.stock_from else "this run"),
                    fusion_pass_over_floor=(means["fusion_pass_us"] / means["floor_us"]),
                    small_m_faster_than_gemms={f"{r['S']}x{r['B']}": r["fusion_pass_us"] < r["gemms_us"]
                                               for r in rows if r["M"] <= 586},
@@ -345,19 +375,28 @@ def write_markdown(path, summary):
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     lines = [f"# Suite B backward, {summary['gpu']} ({summary['date']})", "",
              f"torch {summary['torch']}, triton {summary['triton']}; ceilings: copy {summary['copy_TBps']:.2f} TB/s, "
-             f"bf16 matmul {summary['mm_TFLOPs']:.0f} TFLOP/s. Times in µs (do_bench median).", "",
+             f"bf16 matmul {summary['mm_TFLOPs']:.0f} TFLOP/s; stock compile column from "
+             f"{summary.get('stock_compile_source', 'this run')}. Times in µs: do_bench median (host launch cost "
+             "included where the GPU waits for it), and `graph` = the same calls replayed as a CUDA graph "
+             "(device time).", "",
              "| S | B | M | floor | 2 cuBLAS GEMMs | eager | stock compile | ours | ours/floor | elementwise | "
-             "our GEMMs | rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "our GEMMs | 2 GEMMs graph | ours graph | ours graph/floor | elementwise graph | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["cases"]:
         lines.append(f"| {r['S']} | {r['B']} | {r['M']} | {f(r['floor_us'])} | {f(r['gemms_us'])} | "
                      f"{f(r['eager_us'])} | {f(r['stock_compile_us'])} | {f(r['fusion_pass_us'])} | "
                      f"{r['fusion_pass_us'] / r['floor_us']:.2f} | {f(r['elementwise_us'])} | "
-                     f"{f(r['gemm_us'])} ({r['gemm_route']}) | {r['rel_err']:.1e} |")
+                     f"{f(r['gemm_us'])} ({r['gemm_route']}) | {f(r.get('gemms_graph_us'))} | "
+                     f"{f(r.get('fusion_pass_graph_us'))} | "
+                     f"{(r['fusion_pass_graph_us'] / r['floor_us']) if r.get('fusion_pass_graph_us') else float('nan'):.2f} | "
+                     f"{f(r.get('elementwise_graph_us'))} | {r['rel_err']:.1e} |")
     m = summary["means"]
     lines.append(f"| **mean** | | | {f(m['floor_us'])} | {f(m['gemms_us'])} | {f(m['eager_us'])} | "
                  f"{f(m['stock_compile_us'])} | {f(m['fusion_pass_us'])} | "
-                 f"{summary['fusion_pass_over_floor']:.3f} | {f(m['elementwise_us'])} | {f(m['gemm_us'])} | |")
+                 f"{summary['fusion_pass_over_floor']:.3f} | {f(m['elementwise_us'])} | {f(m['gemm_us'])} | "
+                 f"{f(m.get('gemms_graph_us'))} | {f(m.get('fusion_pass_graph_us'))} | "
+                 f"{(m['fusion_pass_graph_us'] / m['floor_us']) if m.get('fusion_pass_graph_us') else float('nan'):.3f} | "
+                 f"{f(m.get('elementwise_graph_us'))} | |")
     var = [r for r in summary["cases"] if r["gemm_variants_us"]]
     if var:
         lines += ["", "GEMM variants for M <= 256 (µs): torch = two cuBLAS calls, fused = one W-streaming "
@@ -405,6 +444,9 @@ def main() -> int:
     p.add_argument("--compile-budget-s", type=float, default=180.0,
                    help="stop compiling new cases once this much compile time was spent")
     p.add_argument("--anchors", default=None, help="folder with h200-eager-and-stock-compile.json")
+    p.add_argument("--stock-from", default=None,
+                   help="take the stock torch.compile column from this earlier result JSON (same GPU, torch and "
+                        "triton: stock Inductor does not depend on this project) instead of compiling it")
     args = p.parse_args()
     if not torch.cuda.is_available():
         return cpu_check()

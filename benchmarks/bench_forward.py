@@ -212,7 +212,8 @@ def ulp_error(out_q, out_k, x: dict, module: QKNormRopeCache, cos, sin) -> float
     return max(kernel.rope_ulp_error(out_q, q_rot, q_ref, cos, sin), kernel.rope_ulp_error(out_k, k_rot, k_ref, cos, sin))
 
 
-def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: bool, print_report: bool) -> dict:
+def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: bool, print_report: bool,
+             skip_stock: bool = False) -> dict:
     r: dict = dict(S=seq, C=cached, B=batch, bytes=case_bytes(seq, batch))
     r["floor_us"] = r["bytes"] / (copy_tbps * 1e12) * 1e6
     module = QKNormRopeCache(HEAD_DIM, EPS, ROPE_THETA, DTYPE, DEVICE)
@@ -295,7 +296,8 @@ def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: 
                 r["fusion_pass_us"] = bench(fn)
                 r["fusion_pass_graph_us"] = bench_graph(fn)
 
-            attempt(r, "stock", stock)
+            if not skip_stock:
+                attempt(r, "stock", stock)
             attempt(r, "fusion_pass", with_pass)
             r.pop("stock", None)
             r.pop("fusion_pass", None)
@@ -365,7 +367,8 @@ def markdown(result: dict) -> str:
         f"# Suite F forward on {result['gpu']} ({result['date']})",
         "",
         f"torch {result['torch']}, triton {result['triton']}; device copy {result['copy_TBps']:.2f} TB/s; "
-        "times in µs (median; `graph` = CUDA-graph replay).",
+        "times in µs (median; `graph` = CUDA-graph replay); stock torch.compile columns from "
+        f"{result.get('stock_compile_source', 'this run')}.",
         "",
         "| S | C | B | floor | eager | stock | stock graph | fusion_pass | fusion_pass graph | op | op graph "
         "| positions op | op graph / floor | max ulp | fused |",
@@ -456,6 +459,9 @@ def main() -> None:
     parser.add_argument("--cases", choices=["all", "quick"], default="all")
     parser.add_argument("--skip-compile", action="store_true", help="time only eager and the kernels")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launcher tile sweep")
+    parser.add_argument("--stock-from", default=None,
+                        help="take the stock torch.compile columns from this earlier result JSON (same GPU, torch "
+                             "and triton: stock Inductor does not depend on this project) instead of compiling them")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -469,12 +475,26 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     copy_tbps = copy_bandwidth_tbps()
     log(f"{torch.cuda.get_device_name()}: copy {copy_tbps:.3f} TB/s; torch {torch.__version__}, triton {triton.__version__}")
+    stock_from = None
+    if args.stock_from:
+        with open(args.stock_from) as f:
+            earlier = json.load(f)
+        if (earlier.get("torch"), earlier.get("triton")) != (torch.__version__, triton.__version__):
+            raise SystemExit(f"--stock-from {args.stock_from}: measured with torch {earlier.get('torch')} / triton "
+                             f"{earlier.get('triton')}, not this run's {torch.__version__} / {triton.__version__}")
+        stock_from = {(c["S"], c["C"], c["B"]): c for c in earlier["cases"]}
+        log(f"stock torch.compile columns taken from {args.stock_from} ({earlier.get('date')})")
     cases = []
     for i, (seq, cached, batch) in enumerate(CASES if args.cases == "all" else QUICK_CASES):
         t0 = time.perf_counter()
         log(f"case S={seq} C={cached} B={batch}")
         try:
-            r = run_case(seq, cached, batch, copy_tbps, args.skip_compile, print_report=(i == 0))
+            r = run_case(seq, cached, batch, copy_tbps, args.skip_compile, print_report=(i == 0),
+                         skip_stock=stock_from is not None)
+            if stock_from is not None:
+                earlier = stock_from.get((seq, cached, batch), {})
+                for key in ("stock_compile_us", "stock_compile_graph_us", "stock_vs_eager_ulp"):
+                    r[key] = earlier.get(key)
         except Exception as e:  # noqa: BLE001 - a failed correctness check is recorded, not fatal
             r = dict(S=seq, C=cached, B=batch, bytes=case_bytes(seq, batch),
                      floor_us=case_bytes(seq, batch) / (copy_tbps * 1e12) * 1e6,
@@ -482,11 +502,15 @@ def main() -> None:
             log(f"    CASE FAILED: {type(e).__name__}: {e}")
             torch.cuda.empty_cache()
         cases.append(r)
+        with open(os.path.join(args.out, f"{date}-h200-forward.partial.json"), "w") as f:  # a run cut short keeps these
+            json.dump(dict(copy_TBps=copy_tbps, cases=cases), f, indent=1)
         log("    " + ", ".join(f"{k}={r[k]:.2f}" for k in TIME_KEYS + ["max_ulp"] if isinstance(r.get(k), float))
             + f", fused={r.get('fused')} ({time.perf_counter() - t0:.0f} s)")
     result = dict(
         suite="F", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         date=date, copy_TBps=copy_tbps, cases=cases, suite_means=suite_means(cases),
+        stock_compile_source=(f"{os.path.basename(args.stock_from)} (an earlier run, same GPU and versions)"
+                              if args.stock_from else "this run"),
     )
     if not args.no_sweep:
         result["sweep"] = sweep(copy_tbps)
