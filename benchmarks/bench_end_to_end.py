@@ -800,7 +800,9 @@ def plot(result: dict, path: str) -> bool:
     cases = result["cases"]
     values = [r.get("speedup_pass_over_stock") or math.nan for r in cases]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    colors = ["tab:green" if (r.get("fused") and r.get("numerics_ok")) else "tab:red" for r in cases]
+    # green: fused, numerics ok and faster than stock; orange: slower than stock; red: not fused or wrong.
+    colors = ["tab:red" if not (r.get("fused") and r.get("numerics_ok")) else
+              "tab:green" if (v or 0) >= 1.0 else "tab:orange" for r, v in zip(cases, values)]
     bars = ax.bar(range(len(cases)), values, color=colors)
     for bar, val, r in zip(bars, values, cases):
         label = "failed" if math.isnan(val) else f"{val:.3f}x" + ("" if r.get("fused") else "\n(not fused)")

@@ -195,13 +195,15 @@ def backward_section(results):
             return torch.mm(gq, t["W"]), torch.mm(gq.t(), t["hidden"])
 
         measure(f"bwd elementwise S={S} B={B}", elementwise, results, kind="bwd_elementwise", S=S, B=B, M=M)
-        default_warps = bwd.ELEMENTWISE_NUM_WARPS
-        try:
-            bwd.ELEMENTWISE_NUM_WARPS = 8 if default_warps != 8 else 4
-            measure(f"bwd elementwise {bwd.ELEMENTWISE_NUM_WARPS} warps S={S} B={B}", elementwise, results,
-                    kind="bwd_elementwise_warps", S=S, B=B, M=M, num_warps=bwd.ELEMENTWISE_NUM_WARPS)
-        finally:
-            bwd.ELEMENTWISE_NUM_WARPS = default_warps
+        # Launch variants of the same kernel (module tunables, read at every launch).
+        defaults = (bwd.ELEMENTWISE_NUM_WARPS, bwd.ELEMENTWISE_TILE_ELEMENTS)
+        for warps, tile in ((8, 4096), (4, 2048), (8, 2048)):
+            try:
+                bwd.ELEMENTWISE_NUM_WARPS, bwd.ELEMENTWISE_TILE_ELEMENTS = warps, tile
+                measure(f"bwd elementwise {warps} warps tile {tile} S={S} B={B}", elementwise, results,
+                        kind="bwd_elementwise_variant", S=S, B=B, M=M, num_warps=warps, tile_elements=tile)
+            finally:
+                bwd.ELEMENTWISE_NUM_WARPS, bwd.ELEMENTWISE_TILE_ELEMENTS = defaults
         measure(f"bwd elementwise no w/cos grads S={S} B={B}", lambda: elementwise(False, False), results,
                 kind="bwd_elementwise_plain", S=S, B=B, M=M)
         measure(f"bwd two cuBLAS GEMMs S={S} B={B}", gemms, results, kind="bwd_gemms", S=S, B=B, M=M)

@@ -53,6 +53,9 @@ case "$stage" in
          2>&1 | tee "$out/end-to-end.log" | tail -40 ;;
   e2e-train) timeout 560 python3 benchmarks/bench_end_to_end.py --out "$out" --quick --cases hunyuan_train_B2_S2048 2>&1 \
          | tee "$out/end-to-end-train.log" | tail -30 ;;
+  bwd-diag) timeout 100 python3 -m pytest -q -p no:cacheprovider -rs tests/test_qkv_rope_qk_norm_backward_kernel.py \
+         2>&1 | tee "$out/gpu-tests.log" | tail -4
+       timeout 100 python3 benchmarks/diagnose_device_time.py --out "$out" --sections backward 2>&1 | tee "$out/diagnose.log" ;;
   diag) TESTS_TIMEOUT=300 run_tests_kernels
        timeout 240 python3 benchmarks/diagnose_device_time.py --out "$out" 2>&1 | tee "$out/diagnose.log" ;;
   tests) run_tests ;;

@@ -16,16 +16,17 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    to the model dtype)::
 
        x   = R(R(q*cos) + R(rotate_half(q)*sin))          # recomputed RoPE, eager rounding
-       gw += R(g * R(x*rstd))                             # norm-weight grad (fp32 partial)
+       gw += g * R(x*rstd)                                # norm-weight grad (fp32 partial)
        gn  = R(g * w)                                      # mul backward, in dtype (as autograd)
        dx  = R(rstd*gn - x * rstd^3 * sum(gn*x)/D)         # fp32 RMSNorm backward, then .to(dtype)
        dq1 = R(R(dx1*c1) + R(dx2*s2));  dq2 = R(R(dx2*c2) - R(dx1*s1))   # RoPE^T
-       grad_cos += R(dx*q);  grad_sin += R(dx*rotate_half(q))  (summed over heads of q and k)
+       grad_cos += dx*q;  grad_sin += dx*rotate_half(q)  (summed over heads of q and k, fp32)
 
    Each R(.) mirrors one rounding that autograd performs on the eager bf16 graph, so d(qkv) equals
    autograd's up to the fp32 summation order of sum(gn*x) (measured in the tests: within 1 bf16
-   ulp). Sums over heads / tokens are done in fp32 and rounded once (autograd rounds the q and
-   k parts separately: a sub-ulp difference).
+   ulp). The terms of the norm-weight and cos/sin grads are summed in fp32 unrounded and each
+   sum rounded once (autograd rounds every term, and the q and k parts separately): closer to
+   float64 than autograd, within 2 output ulps of it.
 
    Rounding of the per-element R(.) above (``_rnd``, via kernels/rounding.py ``round_to``): on the
    GPU a plain ``.to(dtype).to(fp32)`` with the kernel compiled under ``enable_fp_fusion=False``,
@@ -339,29 +340,26 @@ def _qk_tile(
     dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
 
     # Sums over this tile's heads, all in ONE multi-operand reduction: a reduction over heads
-    # crosses warps (shared memory + barriers), and v2's six separate ones made the optional
-    # grads cost 3x the rest of the pass (H200: 250 vs 84 us at M = 8192).
-    # Weight grad of y = w * R(x*r), per element rounded like autograd's mul backward;
+    # crosses warps (shared memory + barriers), and v2's six separate ones cost ~5 % more.
+    # Weight grad of y = w * n, n = R(x*r) (the normalized value autograd saved, in dtype);
     # cos/sin grads: t1 = q*cos -> dcos += dx*q; t2 = rotate_half(q)*sin -> dsin += dx*cat(-q2, q1).
+    # The summed products are not rounded (v4): autograd rounds each to dtype before its fp32
+    # sum, but these terms only feed sums rounded once at the end, so skipping the rounding moves
+    # the result towards float64 (the tests bound it against both), and saves 6 of the ~20
+    # roundings per element of a kernel that is instruction-bound with these grads.
     gw1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
     gw2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
     if NEED_W and NEED_CS:
         pw1, pw2, gc1, gc2, gs1, gs2 = tl.reduce(
-            (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
-             _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP),
-             _rnd(dx1 * q1, ROUND, INTERP), _rnd(dx2 * q2, ROUND, INTERP),
-             _rnd(dx1 * q2, ROUND, INTERP), _rnd(dx2 * q1, ROUND, INTERP)),
+            (g1 * _rnd(x1 * r, ROUND, INTERP), g2 * _rnd(x2 * r, ROUND, INTERP),
+             dx1 * q1, dx2 * q2, dx1 * q2, dx2 * q1),
             0, _add6)  # each [BT, BLOCK_HALF]
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_W:
-        pw1, pw2 = tl.reduce(
-            (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
-             _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP)), 0, _add2)
+        pw1, pw2 = tl.reduce((g1 * _rnd(x1 * r, ROUND, INTERP), g2 * _rnd(x2 * r, ROUND, INTERP)), 0, _add2)
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_CS:
-        gc1, gc2, gs1, gs2 = tl.reduce(
-            (_rnd(dx1 * q1, ROUND, INTERP), _rnd(dx2 * q2, ROUND, INTERP),
-             _rnd(dx1 * q2, ROUND, INTERP), _rnd(dx2 * q1, ROUND, INTERP)), 0, _add4)
+        gc1, gc2, gs1, gs2 = tl.reduce((dx1 * q1, dx2 * q2, dx1 * q2, dx2 * q1), 0, _add4)
     if NEED_CS:
         cs_row = cs_ptr + t[:, None] * (2 * D) + d[None, :]
         tl.store(cs_row, gc1, mask=m2)
@@ -610,14 +608,15 @@ class _ElementwisePlan:
 # (triton.cdiv / next_power_of_2 cost ~3 us each as Python calls: ~60 us per backward uncached).
 @functools.lru_cache(maxsize=4096)
 def _elementwise_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w: bool, need_cs: bool,
-                      target_programs: int, num_programs: int | None) -> _ElementwisePlan:
+                      target_programs: int, num_programs: int | None, tile_elements: int,
+                      max_tiles_per_program: int) -> _ElementwisePlan:
     M = B * S
     block_half, block_d, m_pow2 = _next_pow2(D // 2), _next_pow2(D), _next_pow2(M)
 
     def tile(H: int) -> tuple[int, int]:
         # heads: all heads of the kind up to TILE / width rows; tokens: the rest of the tile.
-        bh = min(_next_pow2(H), max(1, ELEMENTWISE_TILE_ELEMENTS // block_d))
-        return bh, min(m_pow2, max(1, ELEMENTWISE_TILE_ELEMENTS // (bh * block_d)))
+        bh = min(_next_pow2(H), max(1, tile_elements // block_d))
+        return bh, min(m_pow2, max(1, tile_elements // (bh * block_d)))
 
     bhq, btq = tile(HQ)
     bhk, btk = tile(HKV)
@@ -625,7 +624,7 @@ def _elementwise_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w
     ntt_q, ntt_k = _cdiv(M, btq), _cdiv(M, btk)
     total_tiles = nqb * ntt_q + 2 * nkb * ntt_k
     if num_programs is None:
-        tiles_per_program = min(ELEMENTWISE_MAX_TILES_PER_PROGRAM, _cdiv(total_tiles, target_programs))
+        tiles_per_program = min(max_tiles_per_program, _cdiv(total_tiles, target_programs))
     else:  # tests: about num_programs programs, however many tiles each
         tiles_per_program = _cdiv(total_tiles, max(1, num_programs))
     tiles_per_program = max(1, tiles_per_program)
@@ -728,7 +727,8 @@ def qk_norm_rope_backward_triton(
         return gw[0], gw[1], gcs[0], gcs[1]
 
     plan = _elementwise_plan(B, S, HQ, HKV, D, Bc, need_weight_grad, need_cos_sin_grad,
-                             ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q), num_programs)
+                             ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q), num_programs,
+                             ELEMENTWISE_TILE_ELEMENTS, ELEMENTWISE_MAX_TILES_PER_PROGRAM)
     PQ, PK, nqb, nkb = plan.PQ, plan.PK, plan.nqb, plan.nkb
     gw_ws = torch.empty((PQ + PK, D) if need_weight_grad else (1,), device=dev, dtype=torch.float32)
     cs_ws = torch.empty((nqb + nkb, M, 2 * D) if need_cos_sin_grad else (1,), device=dev,
