@@ -16,17 +16,16 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    to the model dtype)::
 
        x   = R(R(q*cos) + R(rotate_half(q)*sin))          # recomputed RoPE, eager rounding
-       gw += g * R(x*rstd)                                # norm-weight grad (fp32 partial)
+       gw += R(g * R(x*rstd))                             # norm-weight grad (fp32 partial)
        gn  = R(g * w)                                      # mul backward, in dtype (as autograd)
        dx  = R(rstd*gn - x * rstd^3 * sum(gn*x)/D)         # fp32 RMSNorm backward, then .to(dtype)
        dq1 = R(R(dx1*c1) + R(dx2*s2));  dq2 = R(R(dx2*c2) - R(dx1*s1))   # RoPE^T
-       grad_cos += dx*q;  grad_sin += dx*rotate_half(q)  (summed over heads of q and k, fp32)
+       grad_cos += R(dx*q);  grad_sin += R(dx*rotate_half(q))  (summed over heads of q and k)
 
    Each R(.) mirrors one rounding that autograd performs on the eager bf16 graph, so d(qkv) equals
    autograd's up to the fp32 summation order of sum(gn*x) (measured in the tests: within 1 bf16
-   ulp). The terms of the norm-weight and cos/sin grads are summed in fp32 unrounded and each
-   sum rounded once (autograd rounds every term, and the q and k parts separately): closer to
-   float64 than autograd, within 2 output ulps of it.
+   ulp). Sums over heads / tokens are done in fp32 and rounded once (autograd rounds the q and
+   k parts separately: a sub-ulp difference).
 
    Rounding of the per-element R(.) above (``_rnd``, via kernels/rounding.py ``round_to``): on the
    GPU a plain ``.to(dtype).to(fp32)`` with the kernel compiled under ``enable_fp_fusion=False``,
@@ -339,27 +338,30 @@ def _qk_tile(
     dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
     dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
 
-    # Sums over this tile's heads, all in ONE multi-operand reduction: a reduction over heads
-    # crosses warps (shared memory + barriers), and v2's six separate ones cost ~5 % more.
-    # Weight grad of y = w * n, n = R(x*r) (the normalized value autograd saved, in dtype);
-    # cos/sin grads: t1 = q*cos -> dcos += dx*q; t2 = rotate_half(q)*sin -> dsin += dx*cat(-q2, q1).
-    # The summed products are not rounded (v4): autograd rounds each to dtype before its fp32
-    # sum, but these terms only feed sums rounded once at the end, so skipping the rounding moves
-    # the result towards float64 (the tests bound it against both), and saves 6 of the ~20
-    # roundings per element of a kernel that is instruction-bound with these grads.
+    # Sums over this tile's heads, all in ONE multi-operand reduction (v2's six separate
+    # reductions over heads, which cross warps, cost ~5 % more).
+    # Weight grad of y = w * R(x*r), each term rounded like autograd's mul backward; cos/sin grads:
+    # t1 = q*cos -> dcos += R(dx*q); t2 = rotate_half(q)*sin -> dsin += R(dx*cat(-q2, q1)).
+    # (v4 summed these terms unrounded: no faster on the H200, and further from eager autograd.)
     gw1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
     gw2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
     if NEED_W and NEED_CS:
         pw1, pw2, gc1, gc2, gs1, gs2 = tl.reduce(
-            (g1 * _rnd(x1 * r, ROUND, INTERP), g2 * _rnd(x2 * r, ROUND, INTERP),
-             dx1 * q1, dx2 * q2, dx1 * q2, dx2 * q1),
+            (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
+             _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP),
+             _rnd(dx1 * q1, ROUND, INTERP), _rnd(dx2 * q2, ROUND, INTERP),
+             _rnd(dx1 * q2, ROUND, INTERP), _rnd(dx2 * q1, ROUND, INTERP)),
             0, _add6)  # each [BT, BLOCK_HALF]
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_W:
-        pw1, pw2 = tl.reduce((g1 * _rnd(x1 * r, ROUND, INTERP), g2 * _rnd(x2 * r, ROUND, INTERP)), 0, _add2)
+        pw1, pw2 = tl.reduce(
+            (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
+             _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP)), 0, _add2)
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_CS:
-        gc1, gc2, gs1, gs2 = tl.reduce((dx1 * q1, dx2 * q2, dx1 * q2, dx2 * q1), 0, _add4)
+        gc1, gc2, gs1, gs2 = tl.reduce(
+            (_rnd(dx1 * q1, ROUND, INTERP), _rnd(dx2 * q2, ROUND, INTERP),
+             _rnd(dx1 * q2, ROUND, INTERP), _rnd(dx2 * q1, ROUND, INTERP)), 0, _add4)
     if NEED_CS:
         cs_row = cs_ptr + t[:, None] * (2 * D) + d[None, :]
         tl.store(cs_row, gc1, mask=m2)

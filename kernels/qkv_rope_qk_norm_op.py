@@ -440,7 +440,10 @@ def _dense_last_dim(grad: Tensor | None, like: Tensor, shape) -> Tensor:
     return grad
 
 
-def _backward(ctx, grad_q, grad_k, grad_v, _grad_q_rstd, _grad_k_rstd, _grad_saved):
+def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weights, need_biases,
+                     need_q_w: bool, need_k_w: bool, need_cos: bool, need_sin: bool):
+    """The backward op on what ``ctx`` saved; returns (grad_hidden, grad_weights, grad_biases,
+    grad_q_weight, grad_k_weight, grad_cos, grad_sin), None (or lists of None) where not needed."""
     hidden, q_norm_weight, k_norm_weight, cos, sin, q_rstd, k_rstd, *rest = ctx.saved_tensors
     proj_weights, saved_proj = rest[: ctx.num_weights], rest[ctx.num_weights :]
     num_q_heads, num_kv_heads = ctx.heads
@@ -450,8 +453,6 @@ def _backward(ctx, grad_q, grad_k, grad_v, _grad_q_rstd, _grad_k_rstd, _grad_sav
     grad_q = _dense_last_dim(grad_q, q, (batch, num_q_heads, seq, head_dim))
     grad_k = _dense_last_dim(grad_k, k, (batch, num_kv_heads, seq, head_dim))
     grad_v = _dense_last_dim(grad_v, k, (batch, num_kv_heads, seq, head_dim))
-    (need_hidden, need_weights, need_biases, need_q_w, need_k_w, need_cos, need_sin,
-     *_) = ctx.needs_input_grad
     need_proj = any(need_weights) or any(need_biases)
     need_norm = need_q_w or need_k_w
     need_cos_sin = need_cos or need_sin
@@ -467,11 +468,63 @@ def _backward(ctx, grad_q, grad_k, grad_v, _grad_q_rstd, _grad_k_rstd, _grad_sav
         grad_norm[1] if need_k_w else None,
         grad_cos_sin[0] if need_cos else None,
         grad_cos_sin[1] if need_sin else None,
-        None,
-        None,
-        None,
-        None,
     )
 
 
+def _backward(ctx, grad_q, grad_k, grad_v, _grad_q_rstd, _grad_k_rstd, _grad_saved):
+    (need_hidden, need_weights, need_biases, need_q_w, need_k_w, need_cos, need_sin,
+     *_) = ctx.needs_input_grad
+    grads = _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden, need_weights, need_biases,
+                             need_q_w, need_k_w, need_cos, need_sin)
+    return (*grads, None, None, None, None)
+
+
 qkv_rope_qk_norm.register_autograd(_backward, setup_context=_setup_context)
+
+
+class QKVRopeQKNormFunction(torch.autograd.Function):
+    """The region with autograd, as the training pattern puts it into joint graphs.
+
+    unfused: the model's projection -> RoPE -> RMSNorm, differentiated by autograd op by op.
+    fused:   forward = the same computation in plain torch ops (``qkv_rope_qk_norm_forward_reference``,
+             plus the fp32 rstd it saves), which Inductor compiles into its own fused kernels as it
+             does the model's code; backward = ONE ``torch.ops.fusion_pass.qkv_rope_qk_norm_backward``.
+
+    Why not the ``qkv_rope_qk_norm`` custom op in the graph: a custom op is opaque to Inductor, so
+    its forward ran as eager PyTorch ops, slower than Inductor's fused forward (H200, HunYuanDenseV1
+    training step B2 S2048: 0.993x stock compile with the custom op, 2026-11-29). Here only the
+    backward is ours. Same saved tensors as the op (pre-RoPE projections, fp32 rstd).
+
+    ``apply(hidden, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads, q_eps, k_eps,
+    num_weights, *proj_weights, *proj_biases)`` with the shapes of ``qkv_rope_qk_norm``; returns
+    (q [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) with the eager model's strides.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads, q_eps, k_eps,
+                num_weights, *weights_and_biases):
+        proj_weights = list(weights_and_biases[:num_weights])
+        proj_biases = list(weights_and_biases[num_weights:])
+        q_out, k_out, v, q_rstd, k_rstd, proj = qkv_rope_qk_norm_forward_reference(
+            hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin,
+            num_q_heads, num_kv_heads, q_eps, k_eps,
+        )
+        saved_proj = proj if len(proj) == 1 else proj[:2]
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, q_norm_weight, k_norm_weight, cos, sin, q_rstd, k_rstd, *proj_weights,
+                              *saved_proj)
+        ctx.num_weights = num_weights
+        ctx.has_bias = bool(proj_biases)
+        ctx.heads = (num_q_heads, num_kv_heads)
+        return q_out, k_out, v
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        need = ctx.needs_input_grad
+        n = ctx.num_weights
+        need_weights, need_biases = list(need[10:10 + n]), list(need[10 + n:])
+        grad_hidden, grad_weights, grad_biases, grad_q_w, grad_k_w, grad_cos, grad_sin = _region_backward(
+            ctx, grad_q, grad_k, grad_v, need[0], need_weights, need_biases, need[1], need[2], need[3], need[4])
+        return (grad_hidden, grad_q_w, grad_k_w, grad_cos, grad_sin, None, None, None, None, None,
+                *grad_weights, *grad_biases)
+

@@ -1,8 +1,8 @@
 """QKV projection -> RoPE -> per-head RMSNorm, forward and backward as two custom ops.
 
 Matched in the joint (forward + backward) graph, from ``joint_custom_post_pass``: only there can
-the gradient formulas change. The same search functions are also registered for inference
-(``no_grad``) graphs, which pass through the same hook.
+the gradient formulas change. ``no_grad`` graphs pass through the same hook but are left alone:
+the replacement's forward is the region's own computation, so there is nothing to gain there.
 
 unfused, fused weight (HunyuanImage-3 style; contiguous [q | k | v] rows)::
 
@@ -27,13 +27,16 @@ unfused, separate weights (Hugging Face ``HunYuanDenseV1Attention.forward``)::
                                  q * cos + rotate_half(q) * sin; likewise k)
     and RMSNorm(x) = weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-fused::
+fused (``kernels/qkv_rope_qk_norm_op.py``, ``QKVRopeQKNormFunction``)::
 
-    q, k, v, *saved = torch.ops.fusion_pass.qkv_rope_qk_norm(
-        hidden_states, [qkv_weight] or [q_w, k_w, v_w], [] or biases,
-        q_norm_weight, k_norm_weight, cos, sin, Hq, Hkv, q_eps, k_eps)
-    # training: autograd calls torch.ops.fusion_pass.qkv_rope_qk_norm_backward, which writes
-    # grad_qkv in [B*S, qkv_size] and runs both GEMMs; every mm of the region is gone.
+    q, k, v = QKVRopeQKNormFunction.apply(
+        hidden_states, q_norm_weight, k_norm_weight, cos, sin, Hq, Hkv, q_eps, k_eps,
+        1 or 3, *weights, *biases)
+    # forward: the same projection -> RoPE -> norm in plain torch ops, plus the fp32 rstd it
+    #   saves; Inductor compiles it into its own fused kernels, as it does the model's code.
+    # backward: ONE torch.ops.fusion_pass.qkv_rope_qk_norm_backward, which writes grad_qkv in
+    #   [B*S, qkv_size] with one Triton pass and runs both GEMMs; every backward op of the region
+    #   is gone.
 
 The matched region ends v at the projection output (see _V_OUTSIDE) and starts at the
 unsqueezed cos/sin. Not matched (no fusion, no wrong result): the official HunyuanImage-3.0
@@ -43,9 +46,8 @@ trainable input (LoRA), and ``dynamic=True`` without ``specialize_float`` (repor
 
 Variants (one registration each; generated below from ONE search function per structure):
 structure (fused / separate) x bias (no / yes) x dtype family (fp32: no casts; bf16 and fp16:
-the norm's casts) x trace (joint / fwd_only); the joint ones also x norm weights (trainable /
-frozen) x cos and sin (constants / requiring grad): every ``requires_grad`` combination changes
-the joint graph. The ``unsqueeze(cos, 1)`` nodes are outside the pattern (the search functions
+the norm's casts) x norm weights (trainable / frozen) x cos and sin (constants / requiring
+grad): every ``requires_grad`` combination changes the joint graph (32 registrations). The ``unsqueeze(cos, 1)`` nodes are outside the pattern (the search functions
 take the unsqueezed tables): Inductor's CSE merges them across layers, so inside a pattern they
 would have users outside it. The fused split sizes and both epsilons are captured as scalars
 (``scalar_workaround``); everything the replacements compute comes from the bound values.
@@ -63,7 +65,6 @@ import torch.nn.functional as F
 from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
-    fwd_only,
     gen_pattern,
     joint_fwd_bwd,
     register_replacement,
@@ -74,6 +75,7 @@ from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 # The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
+from fusion_pass.kernels.qkv_rope_qk_norm_op import QKVRopeQKNormFunction
 
 FAMILY = "qkv_rope_qk_norm"
 
@@ -140,9 +142,10 @@ def _separate_qkv_search(
 
 
 def _fused_op(hidden, weights, biases, q_norm_weight, k_norm_weight, cos, sin, q_heads, kv_heads, q_eps, k_eps):
-    q, k, v, *_ = torch.ops.fusion_pass.qkv_rope_qk_norm(
-        hidden, weights, biases, q_norm_weight, k_norm_weight, cos.squeeze(1), sin.squeeze(1),
-        q_heads, kv_heads, q_eps, k_eps,
+    # Forward in plain torch ops (Inductor fuses it as it fuses the model's code), backward ours.
+    q, k, v = QKVRopeQKNormFunction.apply(
+        hidden, q_norm_weight, k_norm_weight, cos.squeeze(1), sin.squeeze(1), q_heads, kv_heads, q_eps, k_eps,
+        len(weights), *weights, *biases,
     )
     # v [B, Hkv, S, D] ([B, S, Hkv, D] in memory) -> [B, S, Hkv * D], a view (see _V_OUTSIDE).
     return q, k, v.transpose(1, 2).flatten(2)
@@ -509,16 +512,19 @@ def variant_name(structure: str, bias: bool, dtype: torch.dtype, training: bool,
 
 
 def _variants():
-    """(structure, bias, dtype, training, norm_grad, rope_grad) of every registration."""
+    """(structure, bias, dtype, training, norm_grad, rope_grad) of every registration.
+
+    Joint graphs only: the replacement's forward is the region's own computation in torch ops
+    (only the backward is ours), so a ``no_grad`` graph has nothing to gain and is left alone.
+    """
     for structure, bias, dtype in itertools.product(("fused", "separate"), (False, True),
                                                     (torch.float32, torch.bfloat16)):
         for norm_grad, rope_grad in itertools.product((True, False), (False, True)):
             yield structure, bias, dtype, True, norm_grad, rope_grad
-        yield structure, bias, dtype, False, False, False
 
 
 def register(pass_dict: PatternMatcherPass) -> None:
-    """Register every variant (joint_fwd_bwd for training, fwd_only for no_grad) into ``pass_dict``.
+    """Register every variant (traced with joint_fwd_bwd) into ``pass_dict``.
 
     ``fusion_pass.passes`` calls this outside any compile's tracing context, under a fresh
     FakeTensorMode and with inference mode off (the joint patterns need autograd).
@@ -540,7 +546,7 @@ def register(pass_dict: PatternMatcherPass) -> None:
             tensor_names = tuple(n for n in tensor_names if n not in no_bias)
         name = variant_name(structure, bias, dtype, training, norm_grad, rope_grad)
         example_inputs = _example_inputs(structure, bias, dtype, norm_grad, rope_grad, training)
-        trace_fn = _joint_fwd_bwd_static_ints if training else fwd_only
+        trace_fn = _joint_fwd_bwd_static_ints
         pattern = gen_pattern(search, example_inputs, trace_fn, scalars, tensor_names)
         register_replacement(
             search,
