@@ -17,6 +17,11 @@ through a slot mapping (vLLM's ``reshape_and_cache``, Hugging Face's ``PagedAtte
 
     key_cache.view(-1, Hkv, D)[slot_mapping] = k      # key_cache [num_blocks, block_size, Hkv, D]
 
+The norm is Qwen3's (``weight * normed.to(dtype)``) unless ``norm`` names another form of
+RMSNorm (``NORM_STYLES``: ``torch.nn.RMSNorm``'s fp32 weight product, Gemma3's ``1 + weight``,
+or no weight, then ``q_weight``/``k_weight`` are None). ``rope_first=True`` applies RoPE before
+the norm (``HunYuanDenseV1Attention``: ``apply_rotary_pos_emb``, then ``query_layernorm``).
+
 Both ops mutate their cache arguments (``Tensor(a!)`` in the schema): under torch.compile each
 appears as ``auto_functionalized`` and Inductor calls it directly on the cache buffers, so the caches
 are updated in place with no copy. On CUDA (and on CPU under ``TRITON_INTERPRET=1``) it runs
@@ -29,7 +34,7 @@ import os
 
 import torch
 
-from .qk_norm_rope_cache_reference import qk_norm_rope_cache_reference
+from .qk_norm_rope_cache_reference import NORM_STYLES, qk_norm_rope_cache_reference
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -45,8 +50,13 @@ def check_qk_norm_rope_cache_args(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cache_position: torch.Tensor,
+    norm: str = "weight",
 ) -> None:
-    """Raise ``ValueError`` naming the first argument that breaks the op's contract."""
+    """Raise ``ValueError`` naming the first argument that breaks the op's contract.
+
+    ``q_weight``/``k_weight`` are [D] tensors of q's dtype (or fp32 for ``norm="fp32_weight"``),
+    or None exactly when ``norm`` is ``"no_weight"``.
+    """
 
     def fail(name: str, expected: str, got: object) -> None:
         raise ValueError(f"fusion_pass.qk_norm_rope_cache: {name}: expected {expected}, got {got}")
@@ -68,10 +78,22 @@ def check_qk_norm_rope_cache_args(
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             fail(name, f"q's dtype {q.dtype}", t.dtype)
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+    if norm not in NORM_STYLES:
+        fail("norm", f"one of {NORM_STYLES}", repr(norm))
+    weights = (("q_weight", q_weight), ("k_weight", k_weight))
+    for name, w in weights:
+        if (w is None) != (norm == "no_weight"):
+            fail(name, "None (a weight-free norm)" if norm == "no_weight" else f"a tensor for norm={norm!r}",
+                 "a tensor" if w is not None else None)
+    weights = tuple((name, w) for name, w in weights if w is not None)
+    for name, w in weights:
         if tuple(w.shape) != (head_dim,):
             fail(name, f"shape [{head_dim}] (head_dim)", f"shape {tuple(w.shape)}")
-        if w.dtype != q.dtype:
+        # An fp32 weight multiplies the fp32 row exactly as a promoted bf16 one does
+        # (``nn.RMSNorm`` kept in fp32 in a bf16 model); the other forms round against q's dtype.
+        if norm == "fp32_weight" and w.dtype not in (q.dtype, torch.float32):
+            fail(name, f"q's dtype {q.dtype} or torch.float32 (norm='fp32_weight')", w.dtype)
+        if norm != "fp32_weight" and w.dtype != q.dtype:
             fail(name, f"q's dtype {q.dtype}", w.dtype)
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != head_dim:
@@ -91,8 +113,8 @@ def check_qk_norm_rope_cache_args(
         fail("cache_position", f"shape [S={seq}]", f"shape {tuple(cache_position.shape)}")
     if cache_position.dtype not in (torch.int64, torch.int32):
         fail("cache_position", "dtype int64 or int32", cache_position.dtype)
-    named = (("q", q), ("k", k), ("v", v), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos),
-             ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache))
+    named = (("q", q), ("k", k), ("v", v), *weights, ("cos", cos), ("sin", sin), ("k_cache", k_cache),
+             ("v_cache", v_cache))
     for name, t in named:
         if t.numel() and t.stride(-1) != 1:
             fail(name, "a contiguous last dim (stride(-1) == 1)", f"strides {tuple(t.stride())}")
@@ -111,24 +133,27 @@ def _use_triton(q: torch.Tensor) -> bool:
 # that is not replayed as a CUDA graph. Functionalization (auto_functionalized) and Inductor
 # treat both the same: the schema's (a!)/(b!) annotations are what they read.
 _LIB = torch.library.Library("fusion_pass", "FRAGMENT")
+# ``norm`` (a NORM_STYLES name) and ``rope_first`` are trailing arguments with the Qwen3
+# defaults, so every caller of the Qwen3 form, and every graph that calls it, reads as before;
+# the weights are optional for the weight-free style rather than a ones tensor per layer.
 _LIB.define(
-    "qk_norm_rope_cache(Tensor q, Tensor k, Tensor v, Tensor q_weight, Tensor k_weight, Tensor cos, "
-    "Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, float q_eps, float k_eps) "
-    "-> (Tensor, Tensor)"
+    "qk_norm_rope_cache(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, Tensor cos, "
+    "Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, float q_eps, float k_eps, "
+    "str norm=\"weight\", bool rope_first=False) -> (Tensor, Tensor)"
 )
 _LIB.define(
-    "qk_norm_rope_cache_eps_tensor(Tensor q, Tensor k, Tensor v, Tensor q_weight, Tensor k_weight, "
+    "qk_norm_rope_cache_eps_tensor(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, "
     "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, Tensor q_eps, "
-    "Tensor k_eps) -> (Tensor, Tensor)"
+    "Tensor k_eps, str norm=\"weight\", bool rope_first=False) -> (Tensor, Tensor)"
 )
 # The paged variant mutates the caches themselves ([num_blocks, block_size, Hkv, D]), not a view
 # of them: Inductor re-inplaces auto_functionalized only for mutated graph inputs, and would
 # clone a view of one (a full cache copy per layer).
 for _suffix, _eps in (("", "float"), ("_eps_tensor", "Tensor")):
     _LIB.define(
-        f"qk_norm_rope_paged_cache{_suffix}(Tensor q, Tensor k, Tensor v, Tensor q_weight, Tensor k_weight, "
+        f"qk_norm_rope_paged_cache{_suffix}(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, "
         f"Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
-        f"{_eps} q_eps, {_eps} k_eps) -> (Tensor, Tensor)"
+        f"{_eps} q_eps, {_eps} k_eps, str norm=\"weight\", bool rope_first=False) -> (Tensor, Tensor)"
     )
 
 
@@ -145,34 +170,41 @@ def qk_norm_rope_cache(
     cache_position: torch.Tensor,
     q_eps: float,
     k_eps: float,
+    norm: str = "weight",
+    rope_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k, rotate_half RoPE, and the K/V cache write, fused.
 
     Args:
         q: [B, Hq, S, D] queries before the norm (any strides with a contiguous last dim).
         k, v: [B, Hkv, S, D] keys before the norm, values; Hq is a multiple of Hkv.
-        q_weight, k_weight: [D] RMSNorm weights, q's dtype.
+        q_weight, k_weight: [D] RMSNorm weights, q's dtype (or fp32 for ``norm="fp32_weight"``);
+            None for ``norm="no_weight"``.
         cos, sin: [B or 1, S, D] rotary tables in q's dtype (as the rotary module returns them).
         k_cache, v_cache: [B, Hkv, L, D] caches, updated in place at ``cache_position``.
         cache_position: [S] int64 cache rows to write. Negative positions count from the end
             (Python indexing, like ``cache[:, :, pos] = x``); positions outside [-L, L) are
             skipped, never written out of bounds (``index_copy_`` would raise instead).
         q_eps, k_eps: the two norms' epsilons.
+        norm: the RMSNorm form, one of ``NORM_STYLES`` (default: Qwen3's
+            ``weight * normed.to(dtype)``); both norms have the same form.
+        rope_first: RoPE, then the norm of the rotated rows (HunYuan's order).
 
     Returns:
         (q_rotated [B, Hq, S, D], k_rotated [B, Hkv, S, D]) with q's and k's strides.
     """
-    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position)
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm)
     if _use_triton(q):
         from .qk_norm_rope_cache_triton import qk_norm_rope_cache_triton
 
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
         qk_norm_rope_cache_triton(
-            q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out
+            q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
+            norm=norm, rope_first=rope_first,
         )
         return q_out, k_out
     q_rot, k_rot = qk_norm_rope_cache_reference(
-        q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps
+        q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, norm, rope_first
     )
     # Outputs must not alias inputs and must carry the eager layout of q and k.
     return _with_layout_of(q, q_rot), _with_layout_of(k, k_rot)
@@ -191,6 +223,8 @@ def qk_norm_rope_cache_eps_tensor(
     cache_position: torch.Tensor,
     q_eps: torch.Tensor,
     k_eps: torch.Tensor,
+    norm: str = "weight",
+    rope_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope_cache`` with the epsilons as 0-d tensors.
 
@@ -198,7 +232,7 @@ def qk_norm_rope_cache_eps_tensor(
     0-d CPU tensor graph input; reading it here costs no device synchronization.
     """
     return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position,
-                              _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"))
+                              _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), norm, rope_first)
 
 
 def paged_cache_rows(cache: torch.Tensor, name: str, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -237,6 +271,7 @@ def check_qk_norm_rope_paged_cache_args(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    norm: str = "weight",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the paged op's arguments; return the ``[1, Hkv, slots, D]`` views of both caches.
 
@@ -253,7 +288,7 @@ def check_qk_norm_rope_paged_cache_args(
                          f"and {value_cache.dtype}")
     k_rows = paged_cache_rows(key_cache, "key_cache", kv_heads, head_dim)
     v_rows = paged_cache_rows(value_cache, "value_cache", kv_heads, head_dim)
-    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping)
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, norm)
     return k_rows, v_rows
 
 
@@ -270,13 +305,16 @@ def qk_norm_rope_paged_cache(
     slot_mapping: torch.Tensor,
     q_eps: float,
     k_eps: float,
+    norm: str = "weight",
+    rope_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope_cache`` writing a paged cache through a slot mapping (vLLM's ``reshape_and_cache``).
 
     Args:
         q: [1, Hq, T, D] queries before the norm, the T tokens of all sequences in one row.
         k, v: [1, Hkv, T, D].
-        q_weight, k_weight, cos ([1, T, D]), sin, q_eps, k_eps: as for ``qk_norm_rope_cache``.
+        q_weight, k_weight, cos ([1, T, D]), sin, q_eps, k_eps, norm, rope_first: as for
+            ``qk_norm_rope_cache``.
         key_cache, value_cache: [num_blocks, block_size, Hkv, D] or [slots, Hkv, D], updated in
             place: token t's rows go to slot ``slot_mapping[t]`` of ``cache.view(-1, Hkv, D)``.
         slot_mapping: [T] int64 or int32 flat slot indices. Negative slots count from the end
@@ -292,8 +330,9 @@ def qk_norm_rope_paged_cache(
     under torch.compile Inductor calls this op on the user's cache buffers, with no copy.
     """
     k_rows, v_rows = check_qk_norm_rope_paged_cache_args(
-        q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping)
-    return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, q_eps, k_eps)
+        q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, norm)
+    return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, q_eps, k_eps,
+                              norm, rope_first)
 
 
 def qk_norm_rope_paged_cache_eps_tensor(
@@ -309,10 +348,12 @@ def qk_norm_rope_paged_cache_eps_tensor(
     slot_mapping: torch.Tensor,
     q_eps: torch.Tensor,
     k_eps: torch.Tensor,
+    norm: str = "weight",
+    rope_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope_paged_cache`` with the epsilons as 0-d tensors (``torch.compile(dynamic=True)``)."""
     return qk_norm_rope_paged_cache(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping,
-                                    _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"))
+                                    _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), norm, rope_first)
 
 
 def _eps_value(eps: torch.Tensor, name: str) -> float:
@@ -329,15 +370,18 @@ def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor
     return out
 
 
-def _fake(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
+def _fake(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, norm="weight",
+          rope_first=False):
     """Shapes for tracing (both overloads): the checks run at compile time too."""
-    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position)
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm)
     return torch.empty_like(q), torch.empty_like(k)
 
 
-def _fake_paged(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, q_eps, k_eps):
+def _fake_paged(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, q_eps, k_eps,
+                norm="weight", rope_first=False):
     """Shapes for tracing the paged op (both overloads)."""
-    check_qk_norm_rope_paged_cache_args(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping)
+    check_qk_norm_rope_paged_cache_args(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping,
+                                        norm)
     return torch.empty_like(q), torch.empty_like(k)
 
 

@@ -1,15 +1,27 @@
 """Plain-PyTorch reference of the fused QK-norm -> RoPE -> KV-cache write.
 
-It follows the Hugging Face Qwen3 code path operation by operation, so it rounds exactly
-where that code rounds: RMSNorm statistics in fp32, the normalized row cast back to the
-model dtype, the weight multiply in the model dtype, and each RoPE product and the sum
-rounded to the model dtype. It is the oracle of the tests and the path the op takes on
-devices the Triton kernel does not serve.
+It follows the Hugging Face code path operation by operation, so it rounds exactly where
+that code rounds: RMSNorm statistics in fp32, then the norm style's weight form and rounding
+(``NORM_STYLES``), and each RoPE product and the sum rounded to the model dtype. It is the
+oracle of the tests and the path the op takes on devices the Triton kernel does not serve.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
+
+#: How the fp32 normalized row ``n = x * rsqrt(mean(x^2) + eps)`` meets the weight, and where
+#: it is rounded to the model dtype (the op's ``norm`` argument; the kernel's ``NORM_STYLE``):
+#:
+#: - ``"weight"``: ``weight * n.to(dtype)``, two roundings (Qwen3RMSNorm, LlamaRMSNorm);
+#: - ``"fp32_weight"``: ``(n * weight).to(dtype)``, fp32 product, one rounding
+#:   (``torch.nn.RMSNorm`` / ``F.rms_norm`` with a weight);
+#: - ``"fp32_one_plus_weight"``: ``(n * (1 + weight.float())).to(dtype)``, one rounding
+#:   (Gemma3RMSNorm, whose weight is stored as an offset from 1);
+#: - ``"no_weight"``: ``n.to(dtype)`` (``nn.RMSNorm(elementwise_affine=False)``,
+#:   ``NeoMMERMSNorm(with_scale=False)``).
+NORM_STYLES = ("weight", "fp32_weight", "fp32_one_plus_weight", "no_weight")
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -17,6 +29,61 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     x32 = x.to(torch.float32)
     variance = x32.pow(2).mean(-1, keepdim=True)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``Gemma3RMSNorm.forward`` (``_norm`` inlined): x [..., D], weight [D] -> [..., D] in x's dtype."""
+    output = x.float()
+    output = output * torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + eps)
+    output = output * (1.0 + weight.float())
+    return output.type_as(x)
+
+
+def torch_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``torch.nn.RMSNorm(D, eps)`` / ``F.rms_norm(x, (D,), weight, eps)``: x [..., D], weight [D] or None.
+
+    Written as torch's decomposition of ``aten._fused_rms_norm`` (``torch/_decomp/decompositions.py``),
+    which is what Inductor's post-grad graph holds: ``mean`` over the last dim by its index,
+    ``aten.add.Scalar`` (eager's C++ composite adds in place, which tracing without
+    functionalization would keep), the weight multiplied in fp32, one rounding, and a
+    ``contiguous()`` copy of the fp32 result (a ``clone`` node when x is a transposed view).
+    """
+    upcasted_input = x.to(torch.float32)
+    rqrst_input = torch.rsqrt(
+        torch.ops.aten.add.Scalar(torch.pow(upcasted_input, 2).mean(dim=[x.dim() - 1], keepdim=True), eps)
+    )
+    upcasted_result = upcasted_input.mul(rqrst_input)
+    if weight is not None:
+        upcasted_result = upcasted_result.mul(weight)
+    if suggest_memory_format(x) not in (torch.channels_last, torch.channels_last_3d):
+        # A copy when x is dense but not contiguous (a transposed view); the fp32 upcast of a
+        # sliced x (a fused QKV projection) is contiguous already.
+        upcasted_result = upcasted_result.contiguous()
+    return upcasted_result.type_as(x)
+
+
+def pow_rms_norm_no_weight_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``NeoMMERMSNorm(with_scale=False).forward`` (``torch.pow(ms, -0.5)``, no weight): x [..., D].
+
+    ``pow(t, -0.5)`` is computed as ``rsqrt(t)`` by PyTorch's pow kernel (same bits).
+    """
+    hidden_states = x.float()
+    mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + eps
+    return (hidden_states * torch.pow(mean_squared, -0.5)).type_as(x)
+
+
+def norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, norm: str = "weight") -> torch.Tensor:
+    """Per-head RMSNorm of ``norm`` style (``NORM_STYLES``): x [..., D], weight [D] (None for
+    ``"no_weight"``) -> [..., D] in x's dtype."""
+    if norm == "weight":
+        return rms_norm_reference(x, weight, eps)
+    if norm == "fp32_weight":
+        return torch_rms_norm_reference(x, weight, eps)
+    if norm == "fp32_one_plus_weight":
+        return gemma_rms_norm_reference(x, weight, eps)
+    if norm == "no_weight":
+        return torch_rms_norm_reference(x, None, eps)
+    raise ValueError(f"norm: expected one of {NORM_STYLES}, got {norm!r}")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,14 +129,21 @@ def qk_norm_rope_cache_reference(
     cache_position: torch.Tensor,
     q_eps: float,
     k_eps: float,
+    norm: str = "weight",
+    rope_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``torch.ops.fusion_pass.qk_norm_rope_cache`` (same arguments and shapes).
 
+    ``rope_first``: RoPE, then the norm of the rotated rows (``HunYuanDenseV1Attention``).
     Returns (q_rotated, k_rotated) and writes k_rotated and v into the caches in place.
     """
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_rot = rope_reference(rms_norm_reference(q, q_weight, q_eps), cos4, sin4)
-    k_rot = rope_reference(rms_norm_reference(k, k_weight, k_eps), cos4, sin4)
+    if rope_first:
+        q_rot = norm_reference(rope_reference(q, cos4, sin4), q_weight, q_eps, norm)
+        k_rot = norm_reference(rope_reference(k, cos4, sin4), k_weight, k_eps, norm)
+    else:
+        q_rot = rope_reference(norm_reference(q, q_weight, q_eps, norm), cos4, sin4)
+        k_rot = rope_reference(norm_reference(k, k_weight, k_eps, norm), cos4, sin4)
     write_cache_rows_reference(k_cache, cache_position, k_rot)
     write_cache_rows_reference(v_cache, cache_position, v)
     return q_rot, k_rot

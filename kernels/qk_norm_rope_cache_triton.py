@@ -61,6 +61,15 @@ enough bytes in flight with fully used 16-byte accesses, and nothing else.
   unmasked 16-byte accesses along D; other D pad the half to the next power of two and
   mask it (correct, somewhat slower).
 
+The norm's form is the constexpr ``NORM_STYLE`` (an index into ``NORM_STYLES``, see
+``qk_norm_rope_cache_reference``): 0, Qwen3's ``weight * n.to(dtype)`` (two roundings); 1,
+``torch.nn.RMSNorm``'s ``(n * weight).to(dtype)``; 2, Gemma3's ``(n * (1 + weight)).to(dtype)``;
+3, weight-free ``n.to(dtype)``, which never loads a weight. Only ``_weighted`` depends on it.
+The constexpr ``ROPE_FIRST`` applies RoPE before the norm (HunYuan's order), the same two
+helpers (``_rope``, ``_rms_norm``) called the other way round. With style 0 and RoPE last the
+build is the same machine code as before these options existed (PTX compared for sm_90); each
+option value is its own specialization (no runtime branch).
+
 The same ``@triton.jit`` kernel also computes cos/sin itself from ``position_ids`` [B, S]
 and ``inv_freq`` [D/2] (constexpr ``ROPE_FROM_POSITIONS``; Hugging Face's
 ``freqs = pos.float() * inv_freq; cos = (cat(freqs, freqs).cos() * scaling).to(dtype)``),
@@ -105,6 +114,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .qk_norm_rope_cache_reference import NORM_STYLES
 from .rounding import round_to as _round
 
 #: Elements (one tensor, both halves) per program. 4096 with 4 warps = 32 elements per thread.
@@ -170,25 +180,57 @@ def _load_cos_sin(
 
 
 @triton.jit
-def _norm_rope(
-    x1, x2, weight_ptr, offs_d, d_mask, eps, cos1, cos2, sin1, sin2,
-    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    """RMSNorm then rotate_half RoPE of a ``[heads, tokens, D/2]`` pair of fp32 half tiles.
+def _weighted(normed, w, dtype: tl.constexpr, NORM_STYLE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The fp32 normalized half tile times its weight half, rounded where the model rounds
+    (``NORM_STYLES[NORM_STYLE]``, see ``qk_norm_rope_cache_reference``)."""
+    if NORM_STYLE == 0:
+        # "weight" (Qwen3RMSNorm): ``weight * n.to(dtype)``: the row rounded, then the product.
+        return _round(w * _round(normed, dtype, INTERPRETED), dtype, INTERPRETED)
+    elif NORM_STYLE == 1:
+        # "fp32_weight" (torch.nn.RMSNorm): ``(n * weight).to(dtype)``: fp32 product, one rounding.
+        return _round(normed * w, dtype, INTERPRETED)
+    elif NORM_STYLE == 2:
+        # "fp32_one_plus_weight" (Gemma3RMSNorm): ``(n * (1.0 + weight.float())).type_as(x)``.
+        return _round(normed * (1.0 + w), dtype, INTERPRETED)
+    else:
+        # "no_weight": ``n.to(dtype)``.
+        return _round(normed, dtype, INTERPRETED)
 
-    Returns the two halves of the result, rounded to ``dtype`` (held in fp32).
+
+@triton.jit
+def _rms_norm(
+    x1, x2, weight_ptr, offs_d, d_mask, eps,
+    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    NORM_STYLE: tl.constexpr,
+):
+    """RMSNorm of a ``[heads, tokens, D/2]`` pair of fp32 half tiles (values of the model dtype).
+
+    ``NORM_STYLE`` is the index of the norm's form in ``NORM_STYLES`` (0: Qwen3's); the
+    weight-free style (3) never reads ``weight_ptr``. Returns the two halves rounded to
+    ``dtype`` (held in fp32).
     """
-    # Weights first: their load then overlaps the statistic's reduction.
-    w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
-    w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
-    # Qwen3RMSNorm: fp32 statistics, normalized row rounded, weight product rounded.
+    if NORM_STYLE != 3:
+        # Weights first: their load then overlaps the statistic's reduction.
+        w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
+        w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
+    else:
+        w1 = 1.0  # unused by the weight-free form; defined so both branches bind the names
+        w2 = 1.0
+    # Every style: fp32 statistics, ``n = x * rsqrt(mean(x^2) + eps)`` in fp32.
     mean_square = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) * (1.0 / HEAD_DIM)
     if INTERPRETED:
         rstd = tl.rsqrt(mean_square + eps)
     else:
         rstd = libdevice.rsqrt(mean_square + eps)
-    y1 = _round(w1 * _round(x1 * rstd[:, :, None], dtype, INTERPRETED), dtype, INTERPRETED)
-    y2 = _round(w2 * _round(x2 * rstd[:, :, None], dtype, INTERPRETED), dtype, INTERPRETED)
+    y1 = _weighted(x1 * rstd[:, :, None], w1, dtype, NORM_STYLE, INTERPRETED)
+    y2 = _weighted(x2 * rstd[:, :, None], w2, dtype, NORM_STYLE, INTERPRETED)
+    return y1, y2
+
+
+@triton.jit
+def _rope(y1, y2, cos1, cos2, sin1, sin2, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """rotate_half RoPE of a ``[heads, tokens, D/2]`` pair of fp32 half tiles (values of the
+    model dtype); returns the two halves rounded to ``dtype`` (held in fp32)."""
     # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1];
     # each product is rounded, then the sum. round(-a) == -round(a) under nearest-even.
     c1 = cos1
@@ -198,6 +240,27 @@ def _norm_rope(
     # Rounded products feeding an add: exact only because the launch disables FMA contraction.
     out1 = _round(_round(y1 * c1, dtype, INTERPRETED) - _round(y2 * s1, dtype, INTERPRETED), dtype, INTERPRETED)
     out2 = _round(_round(y2 * c2, dtype, INTERPRETED) + _round(y1 * s2, dtype, INTERPRETED), dtype, INTERPRETED)
+    return out1, out2
+
+
+@triton.jit
+def _norm_rope(
+    x1, x2, weight_ptr, offs_d, d_mask, eps, cos1, cos2, sin1, sin2,
+    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    NORM_STYLE: tl.constexpr, ROPE_FIRST: tl.constexpr,
+):
+    """RMSNorm then rotate_half RoPE (``ROPE_FIRST``: RoPE, then the norm of the rotated rows,
+    HunYuan's order) of a ``[heads, tokens, D/2]`` pair of fp32 half tiles.
+
+    Returns the two halves of the result, rounded to ``dtype`` (held in fp32).
+    """
+    if ROPE_FIRST:
+        r1, r2 = _rope(x1, x2, cos1, cos2, sin1, sin2, dtype, INTERPRETED)
+        out1, out2 = _rms_norm(r1, r2, weight_ptr, offs_d, d_mask, eps, dtype, HEAD_DIM, HALF, INTERPRETED,
+                               NORM_STYLE)
+    else:
+        y1, y2 = _rms_norm(x1, x2, weight_ptr, offs_d, d_mask, eps, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE)
+        out1, out2 = _rope(y1, y2, cos1, cos2, sin1, sin2, dtype, INTERPRETED)
     return out1, out2
 
 
@@ -228,6 +291,8 @@ def _qk_norm_rope_cache_kernel(
     TOKENS_PER_PROGRAM: tl.constexpr,
     ROPE_FROM_POSITIONS: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    NORM_STYLE: tl.constexpr,
+    ROPE_FIRST: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
@@ -262,7 +327,8 @@ def _qk_norm_rope_cache_kernel(
             attention_scaling, dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
         )
         out1, out2 = _norm_rope(
-            x1, x2, q_weight_ptr, offs_d, d_mask, q_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM, HALF, INTERPRETED
+            x1, x2, q_weight_ptr, offs_d, d_mask, q_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM, HALF, INTERPRETED,
+            NORM_STYLE, ROPE_FIRST,
         )
         dst = q_out_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_qo_b, stride_qo_h, stride_qo_s, offs_d)
         tl.store(dst, out1.to(dtype), mask=mask)
@@ -290,7 +356,8 @@ def _qk_norm_rope_cache_kernel(
                 attention_scaling, dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
             )
             out1, out2 = _norm_rope(
-                x1, x2, k_weight_ptr, offs_d, d_mask, k_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM, HALF, INTERPRETED
+                x1, x2, k_weight_ptr, offs_d, d_mask, k_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM, HALF,
+                INTERPRETED, NORM_STYLE, ROPE_FIRST,
             )
             out1 = out1.to(dtype)
             out2 = out2.to(dtype)
@@ -373,7 +440,7 @@ def _interpreted() -> bool:
 def _launch(
     q, k, v, q_weight, k_weight, cos, sin, position_ids, inv_freq, attention_scaling,
     k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-    tokens_per_program, heads_per_program, num_warps,
+    tokens_per_program, heads_per_program, num_warps, norm="weight", rope_first=False,
 ) -> None:
     batch, q_heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -392,6 +459,8 @@ def _launch(
         cos_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1))
         sin_strides = (sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1))
         pos_strides = (0, 0)
+    if norm == "no_weight":
+        q_weight = k_weight = q  # unused pointers (constexpr branch)
     _qk_norm_rope_cache_kernel[config.grid](
         q, k, v, q_weight, k_weight,
         cos, sin, position_ids, inv_freq,
@@ -412,6 +481,8 @@ def _launch(
         TOKENS_PER_PROGRAM=config.tokens_per_program,
         ROPE_FROM_POSITIONS=from_positions,
         INTERPRETED=_interpreted(),
+        NORM_STYLE=NORM_STYLES.index(norm),
+        ROPE_FIRST=bool(rope_first),
         num_warps=config.num_warps,
         **COMPILE_OPTIONS,
     )
@@ -441,6 +512,8 @@ def qk_norm_rope_cache_triton(
     tokens_per_program: int | None = None,
     heads_per_program: int | None = None,
     num_warps: int | None = None,
+    norm: str = "weight",
+    rope_first: bool = False,
 ) -> None:
     """Fused per-head RMSNorm(q, k) -> RoPE -> K/V cache write, one kernel launch.
 
@@ -449,7 +522,7 @@ def qk_norm_rope_cache_triton(
 
     Args:
         q: [B, Hq, S, D]; k, v: [B, Hkv, S, D] (any strides, ``stride(-1) == 1``).
-        q_weight, k_weight: [D] RMSNorm weights.
+        q_weight, k_weight: [D] RMSNorm weights (None for ``norm="no_weight"``).
         cos, sin: [Bc, S, D] with Bc in {1, B}, rows contiguous.
         k_cache, v_cache: [B, Hkv, L, D], written in place at ``cache_position``.
         cache_position: [S] int64 or int32; negative positions count from the end (Python
@@ -458,11 +531,13 @@ def qk_norm_rope_cache_triton(
         q_out, k_out: outputs shaped like q and k (any strides, ``stride(-1) == 1``).
         tokens_per_program, heads_per_program, num_warps: tuning overrides (powers of two);
             default ``launch_config``'s rule.
+        norm: the RMSNorm form, one of ``NORM_STYLES`` (the kernel's ``NORM_STYLE`` constexpr).
+        rope_first: RoPE before the norm (HunYuan's order; the ``ROPE_FIRST`` constexpr).
     """
     _launch(
         q, k, v, q_weight, k_weight, cos, sin, None, None, 1.0,
         k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-        tokens_per_program, heads_per_program, num_warps,
+        tokens_per_program, heads_per_program, num_warps, norm, rope_first,
     )
 
 

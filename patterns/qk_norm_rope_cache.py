@@ -55,6 +55,80 @@ Variants (one registration each, generated from one definition, ``VARIANTS``):
   ``view(blocks * block_size, Hkv, D)`` and ``flatten(0, 1)`` are respelled ``view(-1, Hkv,
   D)`` first, and a single token's ``k.reshape(Hkv, D)`` (decode) is canonicalized to ``k``.
 
+- norm: the per-head RMSNorm as Hugging Face's Qwen3 writes it (above), or one of these,
+  each replaced by the op with its ``norm`` argument naming the form's rounding:
+
+  - ``Gemma3RMSNorm`` (transformers' ``models/gemma3/modeling_gemma3.py``; Gemma3 norms after
+    the transpose, the ``"bhsd"`` layout), ``norm="fp32_one_plus_weight"``::
+
+        def _norm(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+        def forward(self, x):
+            output = self._norm(x.float())
+            # Llama does x.to(float16) * w whilst Gemma3 is (x * w).to(float16)
+            output = output * (1.0 + self.weight.float())
+            return output.type_as(x)
+
+  - ``torch.nn.RMSNorm(head_dim, eps)`` / ``F.rms_norm(x, (head_dim,), weight, eps)``. Inductor's
+    post-grad graph holds torch's decomposition of ``aten._fused_rms_norm``
+    (``torch/_decomp/decompositions.py``, torch 2.13)::
+
+        upcasted_input = input.to(computation_dtype)
+        rqrst_input = torch.rsqrt(
+            torch.ops.aten.add.Scalar(
+                torch.pow(upcasted_input, 2).mean(dim=dims_to_reduce, keepdim=True), eps_val
+            )
+        )
+        upcasted_result = upcasted_input.mul(rqrst_input)
+        if weight is not None:
+            upcasted_result = upcasted_result.mul(weight)
+        ...
+            upcasted_result = upcasted_result.contiguous()
+        result = upcasted_result.type_as(input)
+
+    i.e. ``(n * weight).to(dtype)`` with the bf16 weight promoted, one rounding:
+    ``norm="fp32_weight"``. ``eps=None`` is ``torch.finfo(torch.float32).eps`` there, a
+    constant like any other. ``contiguous()`` is a ``clone`` when the input is a transposed
+    view (the ``"bhsd"`` layout of Hugging Face code), so that layout has two registrations;
+  - weight-free, ``norm="no_weight"`` (q_weight/k_weight None): ``torch.nn.RMSNorm(head_dim,
+    elementwise_affine=False)`` (the decomposition above without ``mul(weight)``), and
+    ``NeoMMERMSNorm(head_dim, eps, with_scale=False)`` (transformers' ``models/neomme``, its
+    q_norm/k_norm; ``Gemma3nRMSNorm`` and ``Gemma4RMSNorm`` are the same code; ``pow(t, -0.5)``
+    is computed as ``rsqrt(t)`` by PyTorch, same bits)::
+
+        def _norm(self, hidden_states: torch.Tensor):
+            mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
+            return hidden_states * torch.pow(mean_squared, -0.5)
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            normed_output = self._norm(hidden_states.float())
+            if self.with_scale:
+                normed_output = normed_output * self.weight.float()
+            return normed_output.type_as(hidden_states)
+
+  Each form is matched op for op, eps and weight bound from the graph: a norm with another
+  constant (``2.0 + weight``), another reduction (over heads and head_dim) or another cast
+  order is a different graph and is left alone.
+
+- order: RoPE, then the norm of the rotated rows, with the Qwen3 norm form
+  (``HunYuanDenseV1Attention``; ``HunYuanDenseV1RMSNorm`` is ``Qwen3RMSNorm``'s code), on
+  ``[B, H, S, D]`` with a dense cache, or on flattened tokens with a paged or flat cache;
+  replaced by the op with ``rope_first=True``::
+
+      query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+      key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+      value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+      cos, sin = position_embeddings
+      query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+      query_states = self.query_layernorm(query_states)
+      key_states = self.key_layernorm(key_states)
+
+      if cache is not None:
+          key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+
 q, k and v may be any views with a contiguous last dim: slices of one fused QKV projection
 (``qkv_proj(x).split([Hq*D, Hkv*D, Hkv*D], -1)``) match like separate projections. cos/sin
 may reach the multiply as ``[B or 1, 1, S, D]`` (``apply_rotary_pos_emb``), or shared by the
@@ -69,8 +143,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 import re
+from typing import Callable
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
@@ -93,7 +169,13 @@ from fusion_pass.kernels.qk_norm_rope_cache_op import (
     unsupported_reason,
 )
 # The Hugging Face building blocks, op for op: traced, they are the model's graph.
-from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
+from fusion_pass.kernels.qk_norm_rope_cache_reference import (
+    gemma_rms_norm_reference,
+    pow_rms_norm_no_weight_reference,
+    rms_norm_reference,
+    rope_reference,
+    torch_rms_norm_reference,
+)
 from fusion_pass.matching import apply_first_to_last
 
 FAMILY = "qk_norm_rope_cache"
@@ -109,8 +191,40 @@ _K_EPS_EXAMPLE = 2.3456e-5
 # --- the variants ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class NormForm:
+    """One spelling of per-head RMSNorm in model code.
+
+    style: the op's ``norm`` argument that computes it bit for bit (``NORM_STYLES``).
+    fn: the model code, ``fn(x, weight, eps)`` (weight None for weight-free forms); traced,
+        it is the graph matched.
+    copies_strided_input: the graph has a ``clone`` when the norm's input is dense but not
+        contiguous (torch's rms_norm decomposition makes its result contiguous; the fp32 upcast
+        of a sliced input is contiguous already): with the ``"bhsd"`` layout, whose input is
+        Hugging Face's transposed view or a contiguous tensor, such forms are registered twice.
+    """
+
+    style: str
+    fn: Callable
+    copies_strided_input: bool = False
+
+    @property
+    def weighted(self) -> bool:
+        return self.style != "no_weight"
+
+
+NORM_FORMS = {
+    "qwen3": NormForm("weight", rms_norm_reference),
+    "gemma3": NormForm("fp32_one_plus_weight", gemma_rms_norm_reference),
+    "torch_rms_norm": NormForm("fp32_weight", torch_rms_norm_reference, copies_strided_input=True),
+    "torch_rms_norm_no_weight": NormForm("no_weight", lambda x, weight, eps: torch_rms_norm_reference(x, None, eps),
+                                         copies_strided_input=True),
+    "pow_no_weight": NormForm("no_weight", lambda x, weight, eps: pow_rms_norm_no_weight_reference(x, eps)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Variant:
-    """One registration: the token layout the norm sees and how the cache is written.
+    """One registration: the token layout the norm sees, how the cache is written, the norm.
 
     layout:
         ``"bshd"``: the norm runs on ``[B, S, H, D]``, then ``transpose(1, 2)`` (Hugging Face);
@@ -124,31 +238,59 @@ class Variant:
         ``"flat"``: ``[slots, Hkv, D]`` written at ``cache[slot_mapping]``.
         A paged or flat write of the ``"bshd"`` layout takes the rows as
         ``k.squeeze(0).transpose(0, 1)`` (B = 1, Hugging Face's ``PagedAttentionCache``).
+    norm:
+        a ``NORM_FORMS`` key: how the model spells the per-head RMSNorm.
+    strided:
+        q and k reach a ``"bhsd"`` norm as transposed views of ``[B, S, H, D]`` (Gemma3,
+        NeoMME); registered only for norms whose graph then differs.
+    rope_first:
+        RoPE, then the norm (HunYuan's order); layouts ``"bhsd"`` and ``"tokens"`` (RoPE needs
+        the heads before the tokens).
     """
 
     layout: str
     cache: str
+    norm: str = "qwen3"
+    strided: bool = False
+    rope_first: bool = False
 
     @property
     def paged(self) -> bool:
         return self.cache != "dense"
 
+    @property
+    def norm_form(self) -> NormForm:
+        return NORM_FORMS[self.norm]
 
-VARIANTS = (
-    Variant("bshd", "dense"), Variant("bhsd", "dense"),
-    Variant("bshd", "paged"), Variant("bshd", "flat"),
-    Variant("tokens", "paged"), Variant("tokens", "flat"),
-)
+
+_GEOMETRIES = (("bshd", "dense"), ("bhsd", "dense"), ("bshd", "paged"), ("bshd", "flat"),
+               ("tokens", "paged"), ("tokens", "flat"))
+# Every norm form with every layout and cache write: one registration each (two for a norm
+# whose graph differs for strided inputs); then RoPE before the norm: HunYuan's norm (the
+# Qwen3 form) on the layouts where RoPE can run first.
+VARIANTS = tuple(
+    Variant(layout, cache, norm, strided)
+    for norm, form in NORM_FORMS.items()
+    for layout, cache in _GEOMETRIES
+    for strided in ((False, True) if form.copies_strided_input and layout == "bhsd" else (False,))
+) + tuple(Variant(layout, cache, "qwen3", rope_first=True)
+          for layout, cache in _GEOMETRIES if layout != "bshd")
 
 
 # --- the model code, as functions --------------------------------------------------------
 
-def _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose):
-    q = rms_norm_reference(q, q_weight, q_eps)
-    k = rms_norm_reference(k, k_weight, k_eps)
+def _norm_rope(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose):
+    q = norm.fn(q, q_weight, q_eps)
+    k = norm.fn(k, k_weight, k_eps)
     if norm_before_transpose:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+
+
+def _rope_norm(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps):
+    """HunYuan's order: ``apply_rotary_pos_emb``, then the norm of the rotated q and k."""
+    return (norm.fn(rope_reference(q, cos, sin), q_weight, q_eps),
+            norm.fn(rope_reference(k, cos, sin), k_weight, k_eps))
 
 
 def _cache_write(variant: Variant, cache, position, rows):
@@ -169,19 +311,32 @@ def _cache_write(variant: Variant, cache, position, rows):
 
 def _search(variant: Variant):
     def search(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
-        q_rot, k_rot = _norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, variant.layout == "bshd")
+        if variant.rope_first:
+            q_rot, k_rot = _rope_norm(variant.norm_form, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps)
+        else:
+            q_rot, k_rot = _norm_rope(variant.norm_form, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps,
+                                      variant.layout == "bshd")
         k_cache = _cache_write(variant, k_cache, cache_position, k_rot)
         v_cache = _cache_write(variant, v_cache, cache_position, v)
         return q_rot, k_rot, k_cache, v_cache
 
-    return search
+    return _without_weights(search) if not variant.norm_form.weighted else search
 
 
 def _replace(variant: Variant):
     def replace(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
         return _fused(variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps)
 
-    return replace
+    return _without_weights(replace) if not variant.norm_form.weighted else replace
+
+
+def _without_weights(fn):
+    """``fn`` without its q_weight/k_weight parameters (passed as None): the pattern matcher
+    binds every parameter of a search function to a graph node, and a weight-free norm has none."""
+    def weight_free(q, k, v, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
+        return fn(q, k, v, None, None, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps)
+
+    return weight_free
 
 
 def _op_layout(variant: Variant, q, k, v):
@@ -230,9 +385,14 @@ def _fused(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_c
     else:
         op = (torch.ops.fusion_pass.qk_norm_rope_cache_eps_tensor if eps_tensor
               else torch.ops.fusion_pass.qk_norm_rope_cache).default
+    # The Qwen3 form and order are the op's defaults: its graphs call the op exactly as before.
+    norm_args = {} if variant.norm_form.style == "weight" else dict(norm=variant.norm_form.style)
+    if variant.rope_first:
+        norm_args["rope_first"] = True
     out = auto_functionalized(
         op, q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight,
         cos=cos_rows(cos, token_layout), sin=cos_rows(sin, token_layout), **cache_args, q_eps=q_eps, k_eps=k_eps,
+        **norm_args,
     )
     # auto_functionalized returns the op's outputs, then the mutated caches in schema order.
     q_rot, k_rot = out[0], out[1]
@@ -244,7 +404,9 @@ def _fused(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_c
 # --- checks ----------------------------------------------------------------------------
 
 def _val(match: Match, name: str):
-    node = match.kwargs[name]
+    """The value bound to ``name`` (a fake tensor or a constant); None when the pattern has no
+    such argument (the weights of a weight-free norm)."""
+    node = match.kwargs.get(name)
     return node.meta["val"] if isinstance(node, torch.fx.Node) else node
 
 
@@ -271,7 +433,7 @@ def _check(match: Match, variant: Variant) -> bool:
     check = check_qk_norm_rope_paged_cache_args if variant.paged else check_qk_norm_rope_cache_args
     try:
         check(q, k, v, _val(match, "q_weight"), _val(match, "k_weight"), cos, sin,
-              _val(match, "k_cache"), _val(match, "v_cache"), _val(match, "cache_position"))
+              _val(match, "k_cache"), _val(match, "v_cache"), _val(match, "cache_position"), variant.norm_form.style)
         reason = unsupported_reason(q.shape[-1], q.dtype)
     except ValueError as error:
         reason = re.sub(r"^fusion_pass\.qk_norm_rope_(paged_)?cache: ", "", str(error))
@@ -294,21 +456,29 @@ def _example_inputs(variant: Variant):
     def t(*shape):
         return torch.empty(shape, dtype=dtype)
 
+    def normed(*shape):
+        """q or k as the norm sees it: contiguous, or (``variant.strided``) the transposed view
+        of a [B, S, H, D] projection."""
+        if not variant.strided:
+            return t(*shape)
+        return t(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
+
     if variant.layout == "tokens":
-        q, k, v = t(seq, q_heads, head_dim), t(seq, kv_heads, head_dim), t(seq, kv_heads, head_dim)
+        q, k, v = normed(seq, q_heads, head_dim), normed(seq, kv_heads, head_dim), t(seq, kv_heads, head_dim)
         cos, sin = t(seq, 1, head_dim), t(seq, 1, head_dim)
     else:
         if variant.layout == "bshd":
-            q, k = t(batch, seq, q_heads, head_dim), t(batch, seq, kv_heads, head_dim)
+            q, k = normed(batch, seq, q_heads, head_dim), normed(batch, seq, kv_heads, head_dim)
         else:
-            q, k = t(batch, q_heads, seq, head_dim), t(batch, kv_heads, seq, head_dim)
+            q, k = normed(batch, q_heads, seq, head_dim), normed(batch, kv_heads, seq, head_dim)
         v = t(batch, kv_heads, seq, head_dim)
         cos, sin = t(batch, 1, seq, head_dim), t(batch, 1, seq, head_dim)
     cache_shape = {"dense": (batch, kv_heads, length, head_dim), "paged": (3, length // 3, kv_heads, head_dim),
                    "flat": (length, kv_heads, head_dim)}[variant.cache]
     # Distinct example tensors for every argument: shared ones would merge in the pattern.
     # The epsilons are not listed: they come from scalar_workaround.
-    return [q, k, v, t(head_dim), t(head_dim), cos, sin, t(*cache_shape), t(*cache_shape), torch.arange(seq)]
+    weights = [t(head_dim), t(head_dim)] if variant.norm_form.weighted else []
+    return [q, k, v, *weights, cos, sin, t(*cache_shape), t(*cache_shape), torch.arange(seq)]
 
 
 def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
@@ -353,6 +523,7 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
 # --- near-misses: a per-head norm -> RoPE that no fusion consumed -----------------------------
 
 _NO_CACHE_WRITE = "per-head RMSNorm -> RoPE without a matching K/V cache write (left unfused)"
+_ROPE_FIRST_NO_CACHE_WRITE = "RoPE -> per-head RMSNorm without a matching K/V cache write (left unfused)"
 # Node meta key: the whole fusion matched here and was refused, with a reason already reported.
 _REJECTED = "fusion_pass_qk_norm_rope_cache_refused"
 
@@ -362,27 +533,52 @@ def _near_miss_pass():
     """A pass whose patterns only report: one hit per norm -> RoPE left in the graph."""
     near_misses = PatternMatcherPass(pass_name="fusion_pass_qk_norm_rope_cache_near_misses")
 
-    def report_only(match: Match, *args, **kwargs) -> None:
-        if not any(node.meta.get(_REJECTED) for node in match.nodes):
-            match_report.record_near_miss(FAMILY, _NO_CACHE_WRITE)
+    def report(reason):
+        def report_only(match: Match, *args, **kwargs) -> None:
+            if not any(node.meta.get(_REJECTED) for node in match.nodes):
+                match_report.record_near_miss(FAMILY, reason)
 
-    def norm_rope(norm_before_transpose):
+        return report_only
+
+    def norm_rope(norm: NormForm, norm_before_transpose):
         def search(x, weight, cos, sin, eps):
-            x = rms_norm_reference(x, weight, eps)
+            x = norm.fn(x, weight, eps)
             return rope_reference(x.transpose(1, 2) if norm_before_transpose else x, cos, sin)
 
-        return search
+        if norm.weighted:
+            return search
+        return lambda x, cos, sin, eps: search(x, None, cos, sin, eps)
 
-    for norm_before_transpose in (True, False):
+    # The norm on [B, S, H, D] before the transpose, on a contiguous [B, H, S, D], and (for the
+    # forms whose graph then has a copy) on the transposed view of [B, S, H, D].
+    placements = ((True, False), (False, False), (False, True))
+    for norm, (norm_before_transpose, strided) in itertools.product(NORM_FORMS.values(), placements):
+        if strided and not norm.copies_strided_input:
+            continue
         t = functools.partial(torch.empty, dtype=torch.bfloat16)
         example = [t(2, 8, 4, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)]
         if not norm_before_transpose:
-            example[0] = t(2, 4, 8, 16)
-        pattern = gen_pattern(norm_rope(norm_before_transpose), example, fwd_only, scalar_workaround={"eps": _Q_EPS_EXAMPLE})
+            example[0] = t(2, 8, 4, 16).transpose(1, 2) if strided else t(2, 4, 8, 16)
+        if not norm.weighted:
+            del example[1]
+        pattern = gen_pattern(norm_rope(norm, norm_before_transpose), example, fwd_only,
+                              scalar_workaround={"eps": _Q_EPS_EXAMPLE})
         register_graph_pattern(
             pattern, pass_dict=near_misses,
             extra_check=lambda match: fusion_config.device_allowed(_val(match, "x").device),
-        )(report_only)
+        )(report(_NO_CACHE_WRITE))
+
+    # HunYuan's order: RoPE on [B, H, S, D], then the (Qwen3-form) norm.
+    def rope_norm(x, weight, cos, sin, eps):
+        return rms_norm_reference(rope_reference(x, cos, sin), weight, eps)
+
+    t = functools.partial(torch.empty, dtype=torch.bfloat16)
+    pattern = gen_pattern(rope_norm, [t(2, 4, 8, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)], fwd_only,
+                          scalar_workaround={"eps": _Q_EPS_EXAMPLE})
+    register_graph_pattern(
+        pattern, pass_dict=near_misses,
+        extra_check=lambda match: fusion_config.device_allowed(_val(match, "x").device),
+    )(report(_ROPE_FIRST_NO_CACHE_WRITE))
     return near_misses
 
 

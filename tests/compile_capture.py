@@ -18,3 +18,17 @@ def compile_forward(model, devices=("cpu",), families=("qk_norm_rope_cache",), *
 
 def fused_count() -> int:
     return fusion_pass.match_counts().get("qk_norm_rope_cache", 0)
+
+
+def eager(model, inputs):
+    """Eager outputs on clones of ``inputs`` (the caches are mutated): (outputs, cloned inputs)."""
+    cloned = [t.clone() for t in inputs]
+    with torch.no_grad():
+        return model(*cloned), cloned
+
+
+def run_fused(model, inputs, **compile_kwargs):
+    """``compile_forward`` then one no_grad call: (outputs, the CapturingPass of its graphs)."""
+    compiled, capture = compile_forward(model, **compile_kwargs)
+    with torch.no_grad():
+        return compiled(*inputs), capture

@@ -21,17 +21,87 @@ Three spellings of the write: ``cache.view(-1, Hkv, D)[slot_mapping] = k`` (``"i
 
 ``fused_qkv=True`` (both) replaces the three projections by one ``nn.Linear`` producing
 ``[q | k | v]`` that is split, so that q, k and v are strided views of one buffer.
+
+``norm`` (both) picks the per-head RMSNorm module, the model code itself where transformers
+has it (``NORMS``): Qwen3's, transformers' ``Gemma3RMSNorm``, ``torch.nn.RMSNorm`` with and
+without a weight, transformers' ``Gemma3nRMSNorm(with_scale=False)`` (the code of
+``NeoMMERMSNorm``, whose q_norm/k_norm are weight-free, in every transformers the tests
+support), or a look-alike
+(``NORM_LOOK_ALIKES``) that must not be fused. ``rope_first=True`` (both) applies RoPE before
+the norm, as ``HunYuanDenseV1Attention`` does.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
 
 from fusion_pass.demo import RMSNorm, apply_rotary_pos_emb
 
 LAYOUTS = ("tokens", "hf_batch1")
 PAGED_WRITES = ("index_put", "index_copy", "flat")
+NORMS = ("qwen3", "gemma3", "torch_rms_norm", "torch_rms_norm_no_weight", "pow_no_weight")
+NORM_LOOK_ALIKES = (
+    "gemma_two_plus_weight",      # Gemma3RMSNorm with ``2.0 + weight``: another constant
+    "torch_rms_norm_heads_and_dim",  # nn.RMSNorm((H, D)): one statistic over all heads of a token
+    "no_weight_times_scale",     # a weight-free norm whose output is scaled before RoPE
+)
+
+
+class GemmaTwoPlusWeight(Gemma3RMSNorm):
+    """Gemma3RMSNorm with the weight offset by 2 instead of 1: same graph but for one constant."""
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (2.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class RMSNormOverHeads(nn.RMSNorm):
+    """``nn.RMSNorm((H, D))`` on ``[..., H, D]``: the statistic spans all heads of a token."""
+
+    def __init__(self, heads, head_dim, eps):
+        super().__init__((heads, head_dim), eps=eps)
+
+
+class ScaledNoWeightNorm(nn.Module):
+    """A weight-free norm followed by a fixed scale (``Gemma3nRMSNorm(with_scale=False) * 0.5``)."""
+
+    def __init__(self, head_dim, eps):
+        super().__init__()
+        self.norm = Gemma3nRMSNorm(head_dim, eps, with_scale=False)
+
+    def forward(self, x):
+        return self.norm(x) * 0.5
+
+
+def make_norm(norm: str, heads: int, head_dim: int, eps: float) -> nn.Module:
+    """The per-head norm ``norm`` (one of NORMS or NORM_LOOK_ALIKES) over ``[..., heads, head_dim]``
+    inputs; weights, where it has them, random around their neutral value."""
+    modules = {
+        "qwen3": lambda: RMSNorm(head_dim, eps=eps),
+        "gemma3": lambda: Gemma3RMSNorm(head_dim, eps=eps),
+        "torch_rms_norm": lambda: nn.RMSNorm(head_dim, eps=eps),
+        "torch_rms_norm_no_weight": lambda: nn.RMSNorm(head_dim, eps=eps, elementwise_affine=False),
+        "pow_no_weight": lambda: Gemma3nRMSNorm(head_dim, eps, with_scale=False),
+        "gemma_two_plus_weight": lambda: GemmaTwoPlusWeight(head_dim, eps=eps),
+        "torch_rms_norm_heads_and_dim": lambda: RMSNormOverHeads(heads, head_dim, eps),
+        "no_weight_times_scale": lambda: ScaledNoWeightNorm(head_dim, eps),
+    }
+    if norm not in modules:
+        raise ValueError(f"norm: expected one of {NORMS + NORM_LOOK_ALIKES}, got {norm!r}")
+    module = modules[norm]()
+    weight = getattr(module, "weight", None)
+    if weight is not None:
+        with torch.no_grad():
+            # Gemma stores the weight as an offset from 1 (its init is zeros).
+            neutral = 0.0 if isinstance(module, Gemma3RMSNorm) else 1.0
+            weight.copy_(neutral + 0.1 * torch.randn_like(weight))
+    return module
+
+
 COS_FORMS = (
     "batch_unsqueeze",  # cos [B or 1, S, D], apply_rotary_pos_emb's cos.unsqueeze(1) (Hugging Face)
     "shared_broadcast",  # cos [S, D] multiplied as is, broadcast over batch and heads
@@ -70,6 +140,8 @@ class PagedPrologue(nn.Module):
         layout: one of LAYOUTS (see the module docstring).
         cache_write: one of PAGED_WRITES.
         fused_qkv: one fused QKV Linear + split instead of three projections.
+        norm: one of NORMS or NORM_LOOK_ALIKES (``make_norm``).
+        rope_first: RoPE, then the norm (HunYuan's order; "tokens" layout only).
     Forward(hidden_states [T, hidden] ("tokens") or [1, S, hidden] ("hf_batch1"),
     cos/sin [T, D] or [1, S, D], key_cache/value_cache [num_blocks, block_size, Hkv, D]
     (``"flat"``: [slots, Hkv, D]), slot_mapping [T] int64) returns (q_rotated, a sum that
@@ -77,23 +149,27 @@ class PagedPrologue(nn.Module):
     """
 
     def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=16, layout="tokens", cache_write="index_put",
-                 fused_qkv=False, q_eps=1e-6, k_eps=1e-6):
+                 fused_qkv=False, q_eps=1e-6, k_eps=1e-6, norm="qwen3", rope_first=False):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if cache_write not in PAGED_WRITES:
             raise ValueError(f"cache_write: expected one of {PAGED_WRITES}, got {cache_write!r}")
+        if rope_first and layout != "tokens":
+            raise ValueError(f"rope_first: supported with layout 'tokens', got layout {layout!r}")
         self.kv_heads, self.head_dim, self.layout, self.cache_write = kv_heads, head_dim, layout, cache_write
+        self.rope_first = rope_first
         self.proj = QKVProjection(hidden, q_heads, kv_heads, head_dim, fused_qkv)
-        self.q_norm = RMSNorm(head_dim, eps=q_eps)
-        self.k_norm = RMSNorm(head_dim, eps=k_eps)
-        with torch.no_grad():
-            for norm in (self.q_norm, self.k_norm):
-                norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
+        self.q_norm = make_norm(norm, q_heads, head_dim, q_eps)
+        self.k_norm = make_norm(norm, kv_heads, head_dim, k_eps)
 
     def forward(self, hidden_states, cos, sin, key_cache, value_cache, slot_mapping):
         q, k, v = self.proj(hidden_states)
         head_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        if self.rope_first:
+            q, k = apply_rotary_pos_emb(q.view(head_shape), k.view(head_shape), cos, sin)
+            q, k, v = self.q_norm(q), self.k_norm(k), v.view(head_shape)
+            return self._write(q, k, v, key_cache, value_cache, slot_mapping)
         q = self.q_norm(q.view(head_shape))
         k = self.k_norm(k.view(head_shape))
         v = v.view(head_shape)
@@ -106,6 +182,10 @@ class PagedPrologue(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             # PagedAttentionCache.update: [1, Hkv, S, D] -> [S, Hkv, D]
             k_rows, v_rows = (x.squeeze(0).transpose(0, 1) for x in (k, v))
+        return self._write(q, k_rows, v_rows, key_cache, value_cache, slot_mapping)
+
+    def _write(self, q, k_rows, v_rows, key_cache, value_cache, slot_mapping):
+        """Write the [T, Hkv, D] rows at ``slot_mapping``; return (q, a sum reading the caches)."""
         if self.cache_write == "flat":
             key_cache[slot_mapping] = k_rows
             value_cache[slot_mapping] = v_rows
@@ -149,28 +229,46 @@ class DensePrologue(nn.Module):
         hidden, q_heads, kv_heads, head_dim: geometry.
         fused_qkv: one fused QKV Linear + split instead of three projections.
         cos_form: one of COS_FORMS: how the rotary tables reach the multiply.
+        norm: one of NORMS or NORM_LOOK_ALIKES (``make_norm``).
+        norm_after_transpose: norm the ``[B, H, S, D]`` views (Gemma3, NeoMME) instead of
+            ``[B, S, H, D]`` before the transpose (Qwen3).
+        rope_first: RoPE on the ``[B, H, S, D]`` views, then the norm (HunYuan).
     Forward(hidden_states [B, S, hidden], cos/sin ([B or 1, S, D], or [S, D] for the shared
     forms), k_cache/v_cache [B, Hkv, L, D], cache_position [S]) returns (q_rotated, a sum that
     reads the updated caches).
     """
 
-    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=16, fused_qkv=False, cos_form="batch_unsqueeze"):
+    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=16, fused_qkv=False, cos_form="batch_unsqueeze",
+                 norm="qwen3", norm_after_transpose=False, q_eps=1e-6, k_eps=1e-6, rope_first=False):
         super().__init__()
         if cos_form not in COS_FORMS:
             raise ValueError(f"cos_form: expected one of {COS_FORMS}, got {cos_form!r}")
-        self.head_dim, self.cos_form = head_dim, cos_form
+        if rope_first and cos_form != "batch_unsqueeze":
+            raise ValueError(f"rope_first: supported with cos_form 'batch_unsqueeze', got {cos_form!r}")
+        self.head_dim, self.cos_form, self.norm_after_transpose = head_dim, cos_form, norm_after_transpose
+        self.rope_first = rope_first
         self.proj = QKVProjection(hidden, q_heads, kv_heads, head_dim, fused_qkv)
-        self.q_norm = RMSNorm(head_dim)
-        self.k_norm = RMSNorm(head_dim)
-        with torch.no_grad():
-            for norm in (self.q_norm, self.k_norm):
-                norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
+        self.q_norm = make_norm(norm, q_heads, head_dim, q_eps)
+        self.k_norm = make_norm(norm, kv_heads, head_dim, k_eps)
 
     def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
         q, k, v = self.proj(hidden_states)
         head_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.q_norm(q.view(head_shape)).transpose(1, 2)
-        k = self.k_norm(k.view(head_shape)).transpose(1, 2)
+        if self.rope_first:
+            # HunYuanDenseV1Attention: transpose, RoPE, then query_layernorm / key_layernorm.
+            q, k = apply_rotary_pos_emb(q.view(head_shape).transpose(1, 2), k.view(head_shape).transpose(1, 2),
+                                        cos, sin)
+            q, k, v = self.q_norm(q), self.k_norm(k), v.view(head_shape).transpose(1, 2)
+            k_cache.index_copy_(2, cache_position, k)
+            v_cache.index_copy_(2, cache_position, v)
+            return q, q.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+        if self.norm_after_transpose:
+            # Gemma3Attention / NeoMMEAttention: transpose, then norm.
+            q = self.q_norm(q.view(head_shape).transpose(1, 2))
+            k = self.k_norm(k.view(head_shape).transpose(1, 2))
+        else:
+            q = self.q_norm(q.view(head_shape)).transpose(1, 2)
+            k = self.k_norm(k.view(head_shape)).transpose(1, 2)
         v = v.view(head_shape).transpose(1, 2)
         if self.cos_form == "batch_unsqueeze":
             q, k = apply_rotary_pos_emb(q, k, cos, sin)

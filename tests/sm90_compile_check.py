@@ -73,10 +73,23 @@ def variants() -> dict:
     out = {}
     for rope_from_positions in (False, True):
         constexprs = dict(HEAD_DIM=128, HALF_BLOCK=64, HEADS_PER_PROGRAM=8, TOKENS_PER_PROGRAM=4,
-                          ROPE_FROM_POSITIONS=rope_from_positions, INTERPRETED=False)
+                          ROPE_FROM_POSITIONS=rope_from_positions, INTERPRETED=False, NORM_STYLE=0,
+                          ROPE_FIRST=False)
         out[f"forward_bf16_d128{'_from_positions' if rope_from_positions else ''}"] = (
             forward._qk_norm_rope_cache_kernel, fwd_pointers, constexprs, fwd_floats,
             dict(num_warps=4, **forward.COMPILE_OPTIONS))
+    # The other RMSNorm forms (NORM_STYLE > 0: the Qwen3 form above is style 0) and RoPE before
+    # the norm (HunYuan's order).
+    others = {f"norm_{norm}": dict(NORM_STYLE=style) for style, norm in enumerate(forward.NORM_STYLES) if style}
+    others["rope_first"] = dict(ROPE_FIRST=True)
+    for suffix, change in others.items():
+        out[f"forward_bf16_d128_{suffix}"] = (
+            forward._qk_norm_rope_cache_kernel, fwd_pointers, dict(out["forward_bf16_d128"][2], **change), fwd_floats,
+            dict(num_warps=4, **forward.COMPILE_OPTIONS))
+    # nn.RMSNorm with its weight kept in fp32 in a bf16 model.
+    out["forward_bf16_d128_norm_fp32_weight_f32_weights"] = (
+        forward._qk_norm_rope_cache_kernel, dict(fwd_pointers, q_weight_ptr="*fp32", k_weight_ptr="*fp32"),
+        dict(out["forward_bf16_d128"][2], NORM_STYLE=1), fwd_floats, dict(num_warps=4, **forward.COMPILE_OPTIONS))
     # Control: the same kernel with contraction on must show the bf16 FMAs the options prevent.
     out["control_forward_bf16_d128_fp_fusion_on"] = (
         forward._qk_norm_rope_cache_kernel, fwd_pointers, dict(out["forward_bf16_d128"][2]), fwd_floats,

@@ -1,5 +1,6 @@
-"""The forward fusion on whole models: Hugging Face Qwen3 with a StaticCache, in-place cache
-updates in the generated code, and no extra recompilation."""
+"""The forward fusion on whole models: Hugging Face Qwen3, HunYuanDenseV1 (RoPE before the norm)
+and Gemma3 (``1 + weight`` norm after the transpose) with a StaticCache, in-place cache updates
+in the generated code, and no extra recompilation."""
 
 from __future__ import annotations
 
@@ -32,18 +33,30 @@ def test_generated_code_writes_the_caches_in_place():
     assert "copy_(" not in code and "clone(" not in code
 
 
-def _tiny_qwen3():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _tiny_model(family: str):
+    """A 2-layer bf16 Hugging Face model of ``family``: (config, model)."""
+    import transformers
 
-    config = Qwen3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-    )
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    geometry = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(**geometry)
+        model = transformers.Qwen3ForCausalLM(config)
+    elif family == "hunyuan_dense_v1":  # query_layernorm/key_layernorm after apply_rotary_pos_emb
+        config = transformers.HunYuanDenseV1Config(**geometry)
+        model = transformers.HunYuanDenseV1ForCausalLM(config)
+    elif family == "gemma3":  # Gemma3RMSNorm, after the transpose; full attention (no sliding cache)
+        config = transformers.Gemma3TextConfig(**geometry, layer_types=["full_attention"] * 2)
+        model = transformers.Gemma3ForCausalLM(config)
+    else:
+        raise ValueError(f"family: expected qwen3, hunyuan_dense_v1 or gemma3, got {family!r}")
+    model = model.to(torch.bfloat16).eval()
+    # Gemma3 stores norm weights as offsets from 1 (initialized to zeros).
+    neutral = 0.0 if family == "gemma3" else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # ones would hide a weight applied twice or not at all
-                p.copy_(1 + 0.1 * torch.randn_like(p))
+            if "norm" in name:  # neutral weights would hide a weight applied twice or not at all
+                p.copy_(neutral + 0.1 * torch.randn_like(p))
     return config, model
 
 
@@ -51,8 +64,9 @@ def _prefill_and_decode(forward, config, input_ids, cache_len, decode_steps=2):
     return _prefill_and_decode_on(forward, config, input_ids, cache_len, decode_steps)
 
 
-def test_hf_qwen3_static_cache_prefill_then_decode():
-    config, model = _tiny_qwen3()
+@pytest.mark.parametrize("family", ["qwen3", "hunyuan_dense_v1", "gemma3"])
+def test_hf_static_cache_prefill_then_decode(family):
+    config, model = _tiny_model(family)
     batch, seq, cache_len, steps = 2, 7, 32, 2
     input_ids = torch.randint(0, config.vocab_size, (batch, seq))
     ref_logits, ref_cache = _prefill_and_decode(model, config, input_ids, cache_len, steps)

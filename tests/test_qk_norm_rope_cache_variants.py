@@ -11,25 +11,12 @@ from torch._inductor.utils import run_and_get_code
 
 import fusion_pass
 from fusion_pass.demo import apply_rotary_pos_emb
-from compile_capture import compile_forward, fused_count
+from compile_capture import compile_forward, eager, fused_count, run_fused
 from prologue_variants import COS_FORMS, LAYOUTS, PAGED_WRITES, DensePrologue, PagedPrologue, make_paged_inputs
 from qwen3_style import make_inputs
 
 PAGED_OP = "fusion_pass.qk_norm_rope_paged_cache.default"
 DENSE_OP = "fusion_pass.qk_norm_rope_cache.default"
-
-
-def eager(model, inputs):
-    """Eager outputs on clones of ``inputs`` (the caches are mutated): (outputs, cloned inputs)."""
-    cloned = [t.clone() for t in inputs]
-    with torch.no_grad():
-        return model(*cloned), cloned
-
-
-def run_fused(model, inputs, **compile_kwargs):
-    compiled, capture = compile_forward(model, **compile_kwargs)
-    with torch.no_grad():
-        return compiled(*inputs), capture
 
 
 def assert_cache_updated_in_place(cache, before, want, slots, kv_heads, head_dim):

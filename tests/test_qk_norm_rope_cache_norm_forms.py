@@ -1,0 +1,256 @@
+"""The forward fusion on RMSNorm written other ways than Qwen3's: transformers' ``Gemma3RMSNorm``
+(``1 + weight``, fp32 product), ``torch.nn.RMSNorm`` with and without a weight, and the
+weight-free ``torch.pow(mean_squared, -0.5)`` norm (transformers' ``NeoMMERMSNorm`` /
+``Gemma3nRMSNorm`` with ``with_scale=False``). Exact match counts, bit-exact numerics against
+eager (the fused op rounds where each form rounds), look-alikes left alone, and the op's
+``norm`` argument checked and computed as each form computes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusion_pass
+from fusion_pass.demo import apply_rotary_pos_emb
+from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel
+from fusion_pass.kernels.qk_norm_rope_cache_reference import NORM_STYLES, norm_reference, qk_norm_rope_cache_reference
+from compile_capture import eager, fused_count, run_fused
+from prologue_variants import NORM_LOOK_ALIKES, NORMS, DensePrologue, PagedPrologue, make_norm, make_paged_inputs
+from qwen3_style import make_inputs
+
+DENSE_OP = "fusion_pass.qk_norm_rope_cache"
+PAGED_OP = "fusion_pass.qk_norm_rope_paged_cache.default"
+# The op's ``norm`` argument each model form is fused with (absent: the Qwen3 default).
+OP_NORM = {
+    "qwen3": None,
+    "gemma3": "fp32_one_plus_weight",
+    "torch_rms_norm": "fp32_weight",
+    "torch_rms_norm_no_weight": "no_weight",
+    "pow_no_weight": "no_weight",
+}
+# test_qk_norm_rope_cache_kernel.py's MAX_ULPS for fp16 under the interpreter.
+FP16_INTERPRETED_MAX_ULPS = 2.0
+# Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
+UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
+
+
+def assert_fused_with_norm(graph_text: str, norm: str) -> None:
+    """The graph calls the fused op with the ``norm`` argument of this model form."""
+    calls = [line for line in graph_text.splitlines() if "fusion_pass.qk_norm_rope" in line]
+    assert len(calls) == 1, calls
+    if OP_NORM[norm] is None:
+        assert "norm=" not in calls[0], calls[0]
+    else:
+        assert f"norm='{OP_NORM[norm]}'" in calls[0], calls[0]
+    if OP_NORM[norm] == "no_weight":
+        assert "q_weight=None, k_weight=None" in calls[0], calls[0]
+
+
+# --- the model forms fuse, bit for bit --------------------------------------------------------
+
+@pytest.mark.parametrize("norm_after_transpose", [False, True], ids=["norm_bshd", "norm_bhsd"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_dense_cache_norm_forms_fuse_once_and_are_bit_exact(norm, norm_after_transpose):
+    """Before the transpose (Qwen3's place) and after it (Gemma3's and NeoMME's place)."""
+    model = DensePrologue(norm=norm, norm_after_transpose=norm_after_transpose).to(torch.bfloat16)
+    inputs = list(make_inputs())
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert_fused_with_norm(capture.after[0], norm)
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+@pytest.mark.parametrize("norm", [n for n in NORMS if n != "qwen3"])
+def test_fp16_decode_gqa_norm_forms_are_bit_exact(norm):
+    model = DensePrologue(hidden=32, q_heads=8, kv_heads=2, head_dim=64, norm=norm,
+                          norm_after_transpose=True).to(torch.float16)
+    inputs = list(make_inputs(batch=1, seq=1, past=9, hidden=32, head_dim=64, dtype=torch.float16))
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert_fused_with_norm(capture.after[0], norm)
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+@pytest.mark.parametrize("norm", [n for n in NORMS if n != "qwen3"])
+def test_paged_cache_fused_qkv_norm_forms_fuse_once_and_are_bit_exact(norm):
+    """vLLM's flattened tokens, q/k/v as slices of one fused QKV projection, a paged cache."""
+    model = PagedPrologue(layout="tokens", fused_qkv=True, norm=norm).to(torch.bfloat16)
+    inputs = list(make_paged_inputs(layout="tokens"))
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert PAGED_OP in capture.after[0]
+    assert_fused_with_norm(capture.after[0], norm)
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+def test_torch_rms_norm_default_eps_fuses_with_float32_eps():
+    """``nn.RMSNorm(D)`` (eps=None) normalizes with ``torch.finfo(torch.float32).eps``."""
+    model = DensePrologue(norm="torch_rms_norm", norm_after_transpose=True).to(torch.bfloat16)
+    for module in (model.q_norm, model.k_norm):
+        module.eps = None
+    inputs = list(make_inputs())
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert f"q_eps={torch.finfo(torch.float32).eps:g}" in capture.after[0]
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3])
+
+
+def test_torch_rms_norm_kept_in_fp32_in_a_bf16_model_fuses():
+    """An fp32 weight (norm modules left in fp32): the fp32 product is the same, one rounding."""
+    model = DensePrologue(norm="torch_rms_norm", norm_after_transpose=True).to(torch.bfloat16)
+    model.q_norm.float(), model.k_norm.float()
+    inputs = list(make_inputs())
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert_fused_with_norm(capture.after[0], "torch_rms_norm")
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+def test_gemma3_norm_kept_in_fp32_is_not_recognized():
+    """``weight.float()`` of an fp32 weight is no graph node: not the Gemma3 graph, left alone."""
+    model = DensePrologue(norm="gemma3", norm_after_transpose=True).to(torch.bfloat16)
+    model.q_norm.float(), model.k_norm.float()
+    inputs = list(make_inputs())
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 0
+    assert "fusion_pass.qk_norm_rope" not in capture.after[0]
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+
+
+@pytest.mark.parametrize("norm", ["gemma3", "pow_no_weight"])
+def test_dynamic_true_norm_forms_fuse_with_eps_tensors(norm):
+    model = DensePrologue(norm=norm, norm_after_transpose=True, q_eps=1e-2, k_eps=3e-1).to(torch.bfloat16)
+    inputs = list(make_inputs())
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs, dynamic=True)
+    assert fused_count() == 1
+    assert "fusion_pass.qk_norm_rope_cache_eps_tensor" in capture.after[0]
+    assert_fused_with_norm(capture.after[0], norm)
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3])
+
+
+# --- look-alikes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("look_alike", NORM_LOOK_ALIKES)
+def test_norm_look_alikes_are_left_alone(look_alike):
+    """``2.0 + weight``, one statistic over (heads, head_dim), a scaled weight-free norm: each
+    differs from a fused form in one place, and fusing it would compute something else."""
+    model = DensePrologue(norm=look_alike).to(torch.bfloat16)
+    inputs = list(make_inputs())
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 0
+    assert "fusion_pass.qk_norm_rope" not in capture.after[0]
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+    torch.testing.assert_close(inputs[3], ref_inputs[3], **UNFUSED_TOL)
+
+
+@pytest.mark.parametrize("norm", ["torch_rms_norm", "pow_no_weight"])
+def test_norm_form_rope_without_cache_write_is_a_reported_near_miss(norm):
+
+    class NormRope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_norm, self.k_norm = make_norm(norm, 4, 16, 1e-6), make_norm(norm, 2, 16, 1e-6)
+
+        def forward(self, q, k, cos, sin):
+            return apply_rotary_pos_emb(self.q_norm(q.transpose(1, 2)), self.k_norm(k.transpose(1, 2)), cos, sin)
+
+    model = NormRope().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 5, h, 16, generator=g).to(torch.bfloat16) for h in (4, 2))
+    cos, sin = make_inputs()[1:3]
+    run_fused(model, [q, k, cos, sin])
+    assert fused_count() == 0
+    assert "without a matching K/V cache write (left unfused) (x2)" in fusion_pass.report()
+
+
+# --- the op's norm argument -------------------------------------------------------------------
+
+def make_op_args(norm, dtype=torch.bfloat16, head_dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    weighted = norm != "no_weight"
+    # Gemma stores its weight as an offset from 1; the others around 1.
+    offset = 0.0 if norm == "fp32_one_plus_weight" else 1.0
+    return dict(
+        q=r(2, 5, 4, head_dim).transpose(1, 2), k=r(2, 5, 2, head_dim, scale=3.0).transpose(1, 2),
+        v=r(2, 5, 2, head_dim).transpose(1, 2),
+        q_weight=r(head_dim, scale=0.3) + offset if weighted else None,
+        k_weight=r(head_dim, scale=0.3) + offset if weighted else None,
+        cos=r(2, 5, head_dim), sin=r(2, 5, head_dim),
+        k_cache=r(2, 2, 12, head_dim), v_cache=r(2, 2, 12, head_dim),
+        cache_position=torch.tensor([3, -1, 7, 20, 0]), q_eps=1e-6, k_eps=1e-5, norm=norm,
+    )
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", NORM_STYLES)
+def test_op_norm_styles_match_the_reference(norm, dtype, head_dim):
+    """The kernel (Triton interpreter on CPU) against the reference of each style: bf16 bit for
+    bit; fp16 within the kernel tests' interpreter bound (numpy sums the fp32 statistic in
+    another order, which can flip an fp16 rounding). head_dim 48 masks the padded half tile."""
+    args = make_op_args(norm, dtype, head_dim)
+    ref = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    k_cache_before = args["k_cache"].clone()
+    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
+    q_ref, k_ref = qk_norm_rope_cache_reference(**ref)
+    if dtype == torch.bfloat16:
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    else:
+        cos, sin = args["cos"], args["sin"]
+        for out, want, x, w, eps in ((q_out, q_ref, args["q"], args["q_weight"], args["q_eps"]),
+                                     (k_out, k_ref, args["k"], args["k_weight"], args["k_eps"])):
+            normed = norm_reference(x, w, eps, norm)
+            assert kernel.rope_ulp_error(out, want, normed, cos, sin) <= FP16_INTERPRETED_MAX_ULPS
+    # Positions [3, -1, 7, 20, 0] of 12 rows: k_out and v land in rows 3, 11, 7, 0; 20 is skipped.
+    for position, token in ((3, 0), (11, 1), (7, 2), (0, 4)):
+        assert torch.equal(args["k_cache"][:, :, position], k_out[:, :, token])
+    untouched = [r for r in range(12) if r not in (3, 11, 7, 0)]
+    assert torch.equal(args["k_cache"][:, :, untouched], k_cache_before[:, :, untouched])
+    assert torch.equal(args["v_cache"], ref["v_cache"])
+
+
+def test_op_norm_styles_round_differently():
+    """The styles are distinct computations: the same q, k and weights give other bits."""
+    base = make_op_args("weight")
+    outputs = []
+    for norm in ("weight", "fp32_weight"):
+        args = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in base.items()}
+        outputs.append(torch.ops.fusion_pass.qk_norm_rope_cache(**dict(args, norm=norm))[0])
+    assert not torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize(
+    "change,name,expected",
+    [
+        (dict(norm="gemma"), "norm", "one of"),
+        (dict(norm="no_weight"), "q_weight", "None"),
+        (dict(q_weight=None), "q_weight", "a tensor for norm='weight'"),
+        (dict(norm="fp32_weight", k_weight=None), "k_weight", "a tensor for norm='fp32_weight'"),
+        (lambda a: dict(a, q_weight=a["q_weight"].float()), "q_weight", "q's dtype torch.bfloat16, got"),
+        (lambda a: dict(a, norm="fp32_weight", k_weight=a["k_weight"].half()), "k_weight",
+         r"q's dtype torch.bfloat16 or torch.float32 \(norm='fp32_weight'\)"),
+    ],
+)
+def test_op_rejects_weights_that_do_not_fit_the_norm_by_name(change, name, expected):
+    args = make_op_args("weight")
+    args = change(args) if callable(change) else dict(args, **change)
+    with pytest.raises(ValueError, match=rf"qk_norm_rope_cache: {name}: expected {expected}"):
+        torch.ops.fusion_pass.qk_norm_rope_cache(**args)
