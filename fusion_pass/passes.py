@@ -64,8 +64,12 @@ def _family_pass(family: str) -> PatternMatcherPass:
 
 
 def _apply_family(family: str, graph: torch.fx.Graph) -> int:
-    """Number of replacements; a pattern module may wrap matching in its own ``apply``."""
+    """Number of replacements; a pattern module may wrap matching in its own ``apply``, and may
+    say with ``applies_to(graph)`` that a graph cannot match (then nothing is registered either:
+    registering the training family costs seconds, and inference graphs pass its hook too)."""
     module = pattern_module(family)
+    if hasattr(module, "applies_to") and not module.applies_to(graph):
+        return 0
     if hasattr(module, "apply"):
         return module.apply(graph, _family_pass(family))
     return _family_pass(family).apply(graph)

@@ -523,6 +523,13 @@ def _variants():
             yield structure, bias, dtype, True, norm_grad, rope_grad
 
 
+def applies_to(graph: torch.fx.Graph) -> bool:
+    """Only joint graphs can match (every registration is a forward + backward pattern). AOT
+    autograd names the backward's incoming gradients ``tangents_<i>``; inference graphs, which
+    pass through the same hook, have none, and then the patterns are not even registered."""
+    return any(node.op == "placeholder" and node.name.startswith("tangents") for node in graph.nodes)
+
+
 def register(pass_dict: PatternMatcherPass) -> None:
     """Register every variant (traced with joint_fwd_bwd) into ``pass_dict``.
 

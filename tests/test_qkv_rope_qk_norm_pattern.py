@@ -117,6 +117,25 @@ def test_no_grad_graphs_are_left_to_inductor(dtype):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+def test_no_grad_graphs_do_not_register_the_training_patterns(monkeypatch):
+    """Registering the 32 joint patterns takes seconds: an inference compile must not pay it
+    (``applies_to``: only graphs with a backward can match); a training compile does."""
+    import fusion_pass.passes as passes
+
+    looked_up = []
+    real = passes._family_pass
+    monkeypatch.setattr(passes, "_family_pass", lambda family: looked_up.append(family) or real(family))
+    model = VariantStack([("fused", False, True, False)])
+    inputs = _inputs(torch.float32)[:3]
+    with torch.no_grad():
+        _compile(model)(*inputs)
+    assert FAMILY not in looked_up
+    torch._dynamo.reset()
+    _compile(model)(*inputs).sum().backward()
+    assert FAMILY in looked_up
+    assert fusion_pass.match_counts() == {FAMILY: 1}
+
+
 LOOKALIKES = ["norm_before_rope", "full_width_norm", "grouped_split", "quarter_rotate", "swapped_halves"]
 
 
