@@ -21,6 +21,10 @@ The norm is Qwen3's (``weight * normed.to(dtype)``) unless ``norm`` names anothe
 RMSNorm (``NORM_STYLES``: ``torch.nn.RMSNorm``'s fp32 weight product, Gemma3's ``1 + weight``,
 or no weight, then ``q_weight``/``k_weight`` are None). ``rope_first=True`` applies RoPE before
 the norm (``HunYuanDenseV1Attention``: ``apply_rotary_pos_emb``, then ``query_layernorm``).
+``rotary_dim`` < head_dim rotates only the first ``rotary_dim`` features and passes the rest
+through (partial rotary, ``Glm4MoeAttention``); cos/sin are then ``rotary_dim`` wide.
+``interleaved=True`` rotates the pairs ``(x[2i], x[2i+1])`` by entry i of cos/sin (GPT-J's
+``rotate_every_two``, GLM's ``rotate_half`` with ``repeat_interleave(2)`` tables).
 
 Both ops mutate their cache arguments (``Tensor(a!)`` in the schema): under torch.compile each
 appears as ``auto_functionalized`` and Inductor calls it directly on the cache buffers, so the caches
@@ -51,11 +55,16 @@ def check_qk_norm_rope_cache_args(
     v_cache: torch.Tensor,
     cache_position: torch.Tensor,
     norm: str = "weight",
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the first argument that breaks the op's contract.
 
     ``q_weight``/``k_weight`` are [D] tensors of q's dtype (or fp32 for ``norm="fp32_weight"``),
-    or None exactly when ``norm`` is ``"no_weight"``.
+    or None exactly when ``norm`` is ``"no_weight"``. cos/sin are ``rotary_dim`` wide (D when
+    None); a partial ``rotary_dim`` is a multiple of 16 below a head_dim that is one too (the
+    kernel's pass-through features then lie in 16-byte aligned runs).
+    ``interleaved`` (GPT-J pairs) takes the same cos/sin and uses entry i for pair i.
     """
 
     def fail(name: str, expected: str, got: object) -> None:
@@ -95,9 +104,17 @@ def check_qk_norm_rope_cache_args(
             fail(name, f"q's dtype {q.dtype} or torch.float32 (norm='fp32_weight')", w.dtype)
         if norm != "fp32_weight" and w.dtype != q.dtype:
             fail(name, f"q's dtype {q.dtype}", w.dtype)
+    rotary = head_dim if rotary_dim is None else rotary_dim
+    if rotary_dim is not None and rotary_dim != head_dim:
+        if not 0 < rotary_dim < head_dim or rotary_dim % 16 or head_dim % 16:
+            fail("rotary_dim", f"None, head_dim={head_dim}, or a multiple of 16 below a head_dim that is a multiple "
+                 f"of 16 (partial rotary)", rotary_dim)
+        if interleaved:
+            fail("interleaved", "False with a partial rotary_dim (not supported together)", interleaved)
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != head_dim:
-            fail(name, f"shape [1 or B={batch}, S={seq}, D={head_dim}]", f"shape {tuple(t.shape)}")
+        if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != rotary:
+            width = f"D={head_dim}" if rotary_dim is None else f"rotary_dim={rotary}"
+            fail(name, f"shape [1 or B={batch}, S={seq}, {width}]", f"shape {tuple(t.shape)}")
         if t.dtype != q.dtype:
             fail(name, f"q's dtype {q.dtype}", t.dtype)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -133,18 +150,20 @@ def _use_triton(q: torch.Tensor) -> bool:
 # that is not replayed as a CUDA graph. Functionalization (auto_functionalized) and Inductor
 # treat both the same: the schema's (a!)/(b!) annotations are what they read.
 _LIB = torch.library.Library("fusion_pass", "FRAGMENT")
-# ``norm`` (a NORM_STYLES name) and ``rope_first`` are trailing arguments with the Qwen3
-# defaults, so every caller of the Qwen3 form, and every graph that calls it, reads as before;
+# ``norm`` (a NORM_STYLES name), ``rope_first``, ``rotary_dim`` and ``interleaved`` are trailing
+# arguments with the Qwen3 defaults, so every caller of the Qwen3 form, and every graph that calls it, reads as before;
 # the weights are optional for the weight-free style rather than a ones tensor per layer.
 _LIB.define(
     "qk_norm_rope_cache(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, Tensor cos, "
     "Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, float q_eps, float k_eps, "
-    "str norm=\"weight\", bool rope_first=False) -> (Tensor, Tensor)"
+    "str norm=\"weight\", bool rope_first=False, SymInt? rotary_dim=None, bool interleaved=False) "
+    "-> (Tensor, Tensor)"
 )
 _LIB.define(
     "qk_norm_rope_cache_eps_tensor(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, "
     "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, Tensor q_eps, "
-    "Tensor k_eps, str norm=\"weight\", bool rope_first=False) -> (Tensor, Tensor)"
+    "Tensor k_eps, str norm=\"weight\", bool rope_first=False, SymInt? rotary_dim=None, bool interleaved=False) "
+    "-> (Tensor, Tensor)"
 )
 # The paged variant mutates the caches themselves ([num_blocks, block_size, Hkv, D]), not a view
 # of them: Inductor re-inplaces auto_functionalized only for mutated graph inputs, and would
@@ -153,7 +172,9 @@ for _suffix, _eps in (("", "float"), ("_eps_tensor", "Tensor")):
     _LIB.define(
         f"qk_norm_rope_paged_cache{_suffix}(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, "
         f"Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
-        f"{_eps} q_eps, {_eps} k_eps, str norm=\"weight\", bool rope_first=False) -> (Tensor, Tensor)"
+        f"{_eps} q_eps, {_eps} k_eps, str norm=\"weight\", bool rope_first=False, SymInt? rotary_dim=None, "
+        f"bool interleaved=False) "
+        f"-> (Tensor, Tensor)"
     )
 
 
@@ -172,6 +193,8 @@ def qk_norm_rope_cache(
     k_eps: float,
     norm: str = "weight",
     rope_first: bool = False,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k, rotate_half RoPE, and the K/V cache write, fused.
 
@@ -189,22 +212,29 @@ def qk_norm_rope_cache(
         norm: the RMSNorm form, one of ``NORM_STYLES`` (default: Qwen3's
             ``weight * normed.to(dtype)``); both norms have the same form.
         rope_first: RoPE, then the norm of the rotated rows (HunYuan's order).
+        rotary_dim: partial rotary: only the first ``rotary_dim`` features are rotated (cos/sin
+            ``[B or 1, S, rotary_dim]``), the others pass through after the norm; a multiple of
+            16 below head_dim (itself a multiple of 16). None (default): all head_dim features.
+        interleaved: rotate the pairs ``(x[2i], x[2i+1])`` by ``cos[..., i]``, ``sin[..., i]``
+            (GPT-J / GLM); default False: the pairs ``(x[i], x[i + D/2])`` (``rotate_half``).
 
     Returns:
         (q_rotated [B, Hq, S, D], k_rotated [B, Hkv, S, D]) with q's and k's strides.
     """
-    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm)
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm,
+                                  rotary_dim, interleaved)
     if _use_triton(q):
         from .qk_norm_rope_cache_triton import qk_norm_rope_cache_triton
 
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
         qk_norm_rope_cache_triton(
             q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-            norm=norm, rope_first=rope_first,
+            norm=norm, rope_first=rope_first, rotary_dim=rotary_dim, interleaved=interleaved,
         )
         return q_out, k_out
     q_rot, k_rot = qk_norm_rope_cache_reference(
-        q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, norm, rope_first
+        q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, norm, rope_first,
+        rotary_dim, interleaved,
     )
     # Outputs must not alias inputs and must carry the eager layout of q and k.
     return _with_layout_of(q, q_rot), _with_layout_of(k, k_rot)
@@ -225,6 +255,8 @@ def qk_norm_rope_cache_eps_tensor(
     k_eps: torch.Tensor,
     norm: str = "weight",
     rope_first: bool = False,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope_cache`` with the epsilons as 0-d tensors.
 
@@ -232,7 +264,8 @@ def qk_norm_rope_cache_eps_tensor(
     0-d CPU tensor graph input; reading it here costs no device synchronization.
     """
     return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position,
-                              _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), norm, rope_first)
+                              _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), norm, rope_first,
+                              rotary_dim, interleaved)
 
 
 def paged_cache_rows(cache: torch.Tensor, name: str, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -272,6 +305,8 @@ def check_qk_norm_rope_paged_cache_args(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     norm: str = "weight",
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the paged op's arguments; return the ``[1, Hkv, slots, D]`` views of both caches.
 
@@ -288,7 +323,8 @@ def check_qk_norm_rope_paged_cache_args(
                          f"and {value_cache.dtype}")
     k_rows = paged_cache_rows(key_cache, "key_cache", kv_heads, head_dim)
     v_rows = paged_cache_rows(value_cache, "value_cache", kv_heads, head_dim)
-    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, norm)
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, norm,
+                                  rotary_dim, interleaved)
     return k_rows, v_rows
 
 
@@ -307,13 +343,16 @@ def qk_norm_rope_paged_cache(
     k_eps: float,
     norm: str = "weight",
     rope_first: bool = False,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope_cache`` writing a paged cache through a slot mapping (vLLM's ``reshape_and_cache``).
 
     Args:
         q: [1, Hq, T, D] queries before the norm, the T tokens of all sequences in one row.
         k, v: [1, Hkv, T, D].
-        q_weight, k_weight, cos ([1, T, D]), sin, q_eps, k_eps, norm, rope_first: as for
+        q_weight, k_weight, cos ([1, T, D]), sin, q_eps, k_eps, norm, rope_first, rotary_dim,
+            interleaved: as for
             ``qk_norm_rope_cache``.
         key_cache, value_cache: [num_blocks, block_size, Hkv, D] or [slots, Hkv, D], updated in
             place: token t's rows go to slot ``slot_mapping[t]`` of ``cache.view(-1, Hkv, D)``.
@@ -330,9 +369,10 @@ def qk_norm_rope_paged_cache(
     under torch.compile Inductor calls this op on the user's cache buffers, with no copy.
     """
     k_rows, v_rows = check_qk_norm_rope_paged_cache_args(
-        q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, norm)
+        q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, norm, rotary_dim,
+        interleaved)
     return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, q_eps, k_eps,
-                              norm, rope_first)
+                              norm, rope_first, rotary_dim, interleaved)
 
 
 def qk_norm_rope_paged_cache_eps_tensor(
@@ -350,10 +390,13 @@ def qk_norm_rope_paged_cache_eps_tensor(
     k_eps: torch.Tensor,
     norm: str = "weight",
     rope_first: bool = False,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``qk_norm_rope_paged_cache`` with the epsilons as 0-d tensors (``torch.compile(dynamic=True)``)."""
     return qk_norm_rope_paged_cache(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping,
-                                    _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), norm, rope_first)
+                                    _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), norm, rope_first,
+                                    rotary_dim, interleaved)
 
 
 def _eps_value(eps: torch.Tensor, name: str) -> float:
@@ -371,17 +414,18 @@ def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor
 
 
 def _fake(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, norm="weight",
-          rope_first=False):
+          rope_first=False, rotary_dim=None, interleaved=False):
     """Shapes for tracing (both overloads): the checks run at compile time too."""
-    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm)
+    check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm,
+                                  rotary_dim, interleaved)
     return torch.empty_like(q), torch.empty_like(k)
 
 
 def _fake_paged(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, q_eps, k_eps,
-                norm="weight", rope_first=False):
+                norm="weight", rope_first=False, rotary_dim=None, interleaved=False):
     """Shapes for tracing the paged op (both overloads)."""
     check_qk_norm_rope_paged_cache_args(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping,
-                                        norm)
+                                        norm, rotary_dim, interleaved)
     return torch.empty_like(q), torch.empty_like(k)
 
 

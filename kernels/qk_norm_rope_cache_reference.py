@@ -100,6 +100,53 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return (x * cos) + (rotate_half(x) * sin)
 
 
+def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary ``apply_rotary_pos_emb`` for one tensor, as transformers' ``Glm4MoeAttention``
+    (GLM-4.5) writes it: x [B, H, S, D], cos/sin [Bc, 1, S, R] with R = rotary_dim <= D.
+
+    The first R features are rotated as ``rope_reference`` rotates them (``rotate_half`` of the
+    R-wide slice), the other D - R pass through unchanged::
+
+        rotary_dim = cos.shape[-1]
+        q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+        q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+        q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    """
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    x_embed = (x_rot * cos) + (rotate_half(x_rot) * sin)
+    return torch.cat([x_embed, x_pass], dim=-1)
+
+
+def rotate_half_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved pairs ``(x[2i], x[2i+1]) -> (-x[2i+1], x[2i])``, as transformers' GLM writes
+    ``rotate_half`` (``models/glm/modeling_glm.py``; GPT-J's ``rotate_every_two`` is the same)."""
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def interleaved_rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM's interleaved tables from Hugging Face's ``cat(freqs, freqs)`` ones: entry i of the
+    first half, repeated for both features of pair i: cos/sin [..., D] -> [..., D]."""
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    return cos, sin
+
+
+def interleaved_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved (GPT-J style) RoPE of one tensor, as transformers' GLM ``apply_rotary_pos_emb``
+    computes it with all features rotated: x [B, H, S, D], cos/sin [Bc, 1, S, D] (Hugging Face
+    tables, of which the first D/2 entries are used)::
+
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        q_embed = (q * cos) + (rotate_half(q) * sin)     # rotate_half on interleaved pairs
+    """
+    cos, sin = interleaved_rope_tables(cos, sin)
+    return (x * cos) + (rotate_half_interleaved(x) * sin)
+
+
 def write_cache_rows_reference(cache: torch.Tensor, cache_position: torch.Tensor, rows: torch.Tensor) -> None:
     """``cache[:, :, cache_position[s]] = rows[:, :, s]``.
 
@@ -131,19 +178,30 @@ def qk_norm_rope_cache_reference(
     k_eps: float,
     norm: str = "weight",
     rope_first: bool = False,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``torch.ops.fusion_pass.qk_norm_rope_cache`` (same arguments and shapes).
 
     ``rope_first``: RoPE, then the norm of the rotated rows (``HunYuanDenseV1Attention``).
+    ``rotary_dim``: only the first ``rotary_dim`` features are rotated (cos/sin [Bc, S, rotary_dim],
+    ``partial_rope_reference``); None: all of them. ``interleaved``: pairs ``(x[2i], x[2i+1])``
+    rotated by entry i of cos/sin (``interleaved_rope_reference``).
     Returns (q_rotated, k_rotated) and writes k_rotated and v into the caches in place.
     """
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
-    if rope_first:
-        q_rot = norm_reference(rope_reference(q, cos4, sin4), q_weight, q_eps, norm)
-        k_rot = norm_reference(rope_reference(k, cos4, sin4), k_weight, k_eps, norm)
+    if interleaved:
+        rope = interleaved_rope_reference
+    elif rotary_dim is not None and rotary_dim != q.shape[-1]:
+        rope = partial_rope_reference
     else:
-        q_rot = rope_reference(norm_reference(q, q_weight, q_eps, norm), cos4, sin4)
-        k_rot = rope_reference(norm_reference(k, k_weight, k_eps, norm), cos4, sin4)
+        rope = rope_reference
+    if rope_first:
+        q_rot = norm_reference(rope(q, cos4, sin4), q_weight, q_eps, norm)
+        k_rot = norm_reference(rope(k, cos4, sin4), k_weight, k_eps, norm)
+    else:
+        q_rot = rope(norm_reference(q, q_weight, q_eps, norm), cos4, sin4)
+        k_rot = rope(norm_reference(k, k_weight, k_eps, norm), cos4, sin4)
     write_cache_rows_reference(k_cache, cache_position, k_rot)
     write_cache_rows_reference(v_cache, cache_position, v)
     return q_rot, k_rot

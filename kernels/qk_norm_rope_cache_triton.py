@@ -70,6 +70,20 @@ helpers (``_rope``, ``_rms_norm``) called the other way round. With style 0 and 
 build is the same machine code as before these options existed (PTX compared for sm_90); each
 option value is its own specialization (no runtime branch).
 
+Partial rotary is the constexpr ``ROTARY_DIM`` (``R < D``; R = D is the default build): the
+two ``[heads, tokens, D/2]`` tiles then hold, in lanes ``d < R/2``, the rotated pairs
+``(x[d], x[d + R/2])`` and, in the other lanes, the pass-through features ``x[R:]`` in two runs
+(``_feature_offsets``), so the statistic, the weights and the stores see every feature once and
+the pass-through lanes keep the normed value (``_partial_rope``). With R and D multiples of 16
+every run is 16-byte aligned; compiled for sm_90 the bf16 D = 128, R = 64 build keeps all its
+q/k/cos/sin accesses ``v4`` (65 registers, no spills, no barriers). The constexpr
+``INTERLEAVED`` rotates GPT-J's pairs ``(x[2i], x[2i+1])``: the tiles hold the even and the odd
+features (stride-2 addresses, a first simple version: no 16-byte vectors along D, and the
+sm_90 build has shared-memory layout conversions, 6 barriers, where the default has none) and
+both take entry i of cos/sin. With ``ROTARY_DIM = D`` and ``INTERLEAVED`` off, the build has the
+same instructions as before these two options (sm_90 PTX compared: the same instruction counts
+by opcode; two address additions are scheduled earlier).
+
 The same ``@triton.jit`` kernel also computes cos/sin itself from ``position_ids`` [B, S]
 and ``inv_freq`` [D/2] (constexpr ``ROPE_FROM_POSITIONS``; Hugging Face's
 ``freqs = pos.float() * inv_freq; cos = (cat(freqs, freqs).cos() * scaling).to(dtype)``),
@@ -139,6 +153,20 @@ def _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_d):
 
 
 @triton.jit
+def _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF: tl.constexpr,
+                   SECOND_OFFSETS: tl.constexpr):
+    """Pointers ``[heads, rows, D/2]`` to the features of the two half tiles: ``offs_1`` and
+    ``offs_1 + HALF`` (the RoPE halves), or (``SECOND_OFFSETS``: partial or interleaved rotary)
+    ``offs_1`` and ``offs_2``."""
+    first = ptr + _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_1)
+    if SECOND_OFFSETS:
+        second = ptr + _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_2)
+    else:
+        second = first + HALF
+    return first, second
+
+
+@triton.jit
 def _load_cos_sin(
     cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
     stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
@@ -199,20 +227,25 @@ def _weighted(normed, w, dtype: tl.constexpr, NORM_STYLE: tl.constexpr, INTERPRE
 
 @triton.jit
 def _rms_norm(
-    x1, x2, weight_ptr, offs_d, d_mask, eps,
+    x1, x2, weight_ptr, offs_d, offs_2, d_mask, eps,
     dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
-    NORM_STYLE: tl.constexpr,
+    NORM_STYLE: tl.constexpr, SECOND_OFFSETS: tl.constexpr,
 ):
     """RMSNorm of a ``[heads, tokens, D/2]`` pair of fp32 half tiles (values of the model dtype).
 
     ``NORM_STYLE`` is the index of the norm's form in ``NORM_STYLES`` (0: Qwen3's); the
-    weight-free style (3) never reads ``weight_ptr``. Returns the two halves rounded to
-    ``dtype`` (held in fp32).
+    weight-free style (3) never reads ``weight_ptr``. The tiles hold features ``offs_d`` and
+    ``offs_d + HALF``, or (``SECOND_OFFSETS``) ``offs_d`` and ``offs_2`` (partial or interleaved rotary): the
+    weights are read at the same features. Returns the two halves rounded to ``dtype`` (held
+    in fp32).
     """
     if NORM_STYLE != 3:
         # Weights first: their load then overlaps the statistic's reduction.
         w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
-        w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
+        if SECOND_OFFSETS:
+            w2 = tl.load(weight_ptr + offs_2, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
+        else:
+            w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
     else:
         w1 = 1.0  # unused by the weight-free form; defined so both branches bind the names
         w2 = 1.0
@@ -244,24 +277,62 @@ def _rope(y1, y2, cos1, cos2, sin1, sin2, dtype: tl.constexpr, INTERPRETED: tl.c
 
 
 @triton.jit
+def _partial_rope(y1, y2, cos1, cos2, sin1, sin2, rotated, dtype: tl.constexpr, INTERPRETED: tl.constexpr,
+                  PARTIAL: tl.constexpr):
+    """``_rope``, or (``PARTIAL``) ``_rope`` on the lanes that hold a rotated pair and the values
+    unchanged on the pass-through lanes (``rotated`` [D/2] is False there)."""
+    r1, r2 = _rope(y1, y2, cos1, cos2, sin1, sin2, dtype, INTERPRETED)
+    if PARTIAL:
+        # cat([rope(x[..., :rotary_dim]), x[..., rotary_dim:]]): the pass-through features are
+        # the input's values, no rounding added.
+        r1 = tl.where(rotated[None, None, :], r1, y1)
+        r2 = tl.where(rotated[None, None, :], r2, y2)
+    return r1, r2
+
+
+@triton.jit
 def _norm_rope(
-    x1, x2, weight_ptr, offs_d, d_mask, eps, cos1, cos2, sin1, sin2,
+    x1, x2, weight_ptr, offs_d, offs_2, d_mask, rotated, eps, cos1, cos2, sin1, sin2,
     dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
-    NORM_STYLE: tl.constexpr, ROPE_FIRST: tl.constexpr,
+    NORM_STYLE: tl.constexpr, ROPE_FIRST: tl.constexpr, PARTIAL: tl.constexpr, SECOND_OFFSETS: tl.constexpr,
 ):
     """RMSNorm then rotate_half RoPE (``ROPE_FIRST``: RoPE, then the norm of the rotated rows,
-    HunYuan's order) of a ``[heads, tokens, D/2]`` pair of fp32 half tiles.
+    HunYuan's order) of a ``[heads, tokens, D/2]`` pair of fp32 half tiles (the tiles hold the
+    features ``offs_d``/``offs_d + HALF``, or ``offs_d``/``offs_2`` with ``SECOND_OFFSETS``); ``PARTIAL``: only
+    the lanes where ``rotated`` holds are rotated (``_feature_offsets``).
 
     Returns the two halves of the result, rounded to ``dtype`` (held in fp32).
     """
     if ROPE_FIRST:
-        r1, r2 = _rope(x1, x2, cos1, cos2, sin1, sin2, dtype, INTERPRETED)
-        out1, out2 = _rms_norm(r1, r2, weight_ptr, offs_d, d_mask, eps, dtype, HEAD_DIM, HALF, INTERPRETED,
-                               NORM_STYLE)
+        r1, r2 = _partial_rope(x1, x2, cos1, cos2, sin1, sin2, rotated, dtype, INTERPRETED, PARTIAL)
+        out1, out2 = _rms_norm(r1, r2, weight_ptr, offs_d, offs_2, d_mask, eps, dtype, HEAD_DIM, HALF, INTERPRETED,
+                               NORM_STYLE, SECOND_OFFSETS)
     else:
-        y1, y2 = _rms_norm(x1, x2, weight_ptr, offs_d, d_mask, eps, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE)
-        out1, out2 = _rope(y1, y2, cos1, cos2, sin1, sin2, dtype, INTERPRETED)
+        y1, y2 = _rms_norm(x1, x2, weight_ptr, offs_d, offs_2, d_mask, eps, dtype, HEAD_DIM, HALF, INTERPRETED,
+                           NORM_STYLE, SECOND_OFFSETS)
+        out1, out2 = _partial_rope(y1, y2, cos1, cos2, sin1, sin2, rotated, dtype, INTERPRETED, PARTIAL)
     return out1, out2
+
+
+@triton.jit
+def _feature_offsets(offs_d, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
+    """Partial rotary: the features held by lane ``d`` of the two half tiles, and whether the
+    lane holds a rotated pair.
+
+    ``apply_rotary_pos_emb`` with ``rotary_dim = R < D`` rotates the pairs ``(x[i], x[i + R/2])``,
+    ``i < R/2``, and passes ``x[R:]`` through. Lanes ``d < R/2`` hold such a pair (features
+    ``d`` and ``d + R/2``); the other lanes hold the pass-through features, split in two runs
+    (``d + R/2`` and ``d + D/2``), so the norm's statistic still sees every feature once and
+    the RoPE math stays lane-wise. Each run is contiguous and starts at a multiple of 8
+    (``R`` and ``D`` multiples of 16, checked by the op): the hints keep 16-byte accesses.
+    """
+    ROT_HALF: tl.constexpr = ROTARY_DIM // 2
+    rotated = offs_d < ROT_HALF
+    offs_1 = tl.where(rotated, offs_d, offs_d + ROT_HALF)
+    offs_2 = tl.where(rotated, offs_d + ROT_HALF, offs_d + HEAD_DIM // 2)
+    offs_1 = tl.max_contiguous(tl.multiple_of(offs_1, 8), 8)
+    offs_2 = tl.max_contiguous(tl.multiple_of(offs_2, 8), 8)
+    return offs_1, offs_2, rotated
 
 
 @triton.jit(do_not_specialize=["seq_len"])
@@ -293,8 +364,17 @@ def _qk_norm_rope_cache_kernel(
     INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr,
     ROPE_FIRST: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
+    # Partial rotary (``rotary_dim < head_dim``): cos/sin rows hold ROTARY_DIM values.
+    PARTIAL: tl.constexpr = ROTARY_DIM != HEAD_DIM
+    ROT_HALF: tl.constexpr = ROTARY_DIM // 2
+    # Interleaved (GPT-J) pairs (x[2i], x[2i+1]): the tiles hold the even and the odd features,
+    # and pair i's cos/sin are the table's entry i for both (``_load_cos_sin`` with no shift).
+    SECOND_OFFSETS: tl.constexpr = PARTIAL or INTERLEAVED
+    COS_SHIFT: tl.constexpr = 0 if INTERLEAVED else ROT_HALF
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
 
     token_block = tl.program_id(0)
@@ -313,26 +393,42 @@ def _qk_norm_rope_cache_kernel(
         d_mask = offs_d < HALF
     d3 = offs_d[None, None, :]
     d_mask3 = d_mask[None, None, :]
+    if PARTIAL:
+        offs_1, offs_2, rotated = _feature_offsets(offs_d, HEAD_DIM, ROTARY_DIM)
+        rot_mask = d_mask & rotated  # the lanes whose cos/sin exist
+    elif INTERLEAVED:
+        # A first, simple version: stride-2 accesses (no 16-byte vectors along D).
+        offs_1 = offs_d * 2
+        offs_2 = offs_d * 2 + 1
+        rotated = d_mask  # unused
+        rot_mask = d_mask
+    else:
+        offs_1 = offs_d
+        offs_2 = offs_d  # unused (the second half is offs_1 + HALF)
+        rotated = d_mask  # unused
+        rot_mask = d_mask
 
     if head_block < q_head_blocks:
         # ---- q: norm + rope -> q_out
         offs_h = (head_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
         mask = ((offs_h < q_heads)[:, None] & token_mask[None, :])[:, :, None] & d_mask3
-        src = q_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_q_b, stride_q_h, stride_q_s, offs_d)
+        src, src2 = _pair_pointers(q_ptr, batch, offs_h, offs_s64, stride_q_b, stride_q_h, stride_q_s, offs_1, offs_2,
+                                   HALF, SECOND_OFFSETS)
         x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x2 = tl.load(src2, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         cos1, cos2, sin1, sin2 = _load_cos_sin(
-            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
+            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, rot_mask,
             stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-            attention_scaling, dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
+            attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
         )
         out1, out2 = _norm_rope(
-            x1, x2, q_weight_ptr, offs_d, d_mask, q_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM, HALF, INTERPRETED,
-            NORM_STYLE, ROPE_FIRST,
+            x1, x2, q_weight_ptr, offs_1, offs_2, d_mask, rotated, q_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM,
+            HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
         )
-        dst = q_out_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_qo_b, stride_qo_h, stride_qo_s, offs_d)
+        dst, dst2 = _pair_pointers(q_out_ptr, batch, offs_h, offs_s64, stride_qo_b, stride_qo_h, stride_qo_s, offs_1,
+                                   offs_2, HALF, SECOND_OFFSETS)
         tl.store(dst, out1.to(dtype), mask=mask)
-        tl.store(dst + HALF, out2.to(dtype), mask=mask)
+        tl.store(dst2, out2.to(dtype), mask=mask)
     else:
         # ---- k or v: this program's tokens also own cache rows
         positions = tl.load(cache_position_ptr + offs_s64 * stride_cache_position, mask=token_mask, other=0)
@@ -347,27 +443,30 @@ def _qk_norm_rope_cache_kernel(
             offs_h = (kv_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
             head_ok = offs_h < kv_heads
             mask = (head_ok[:, None] & token_mask[None, :])[:, :, None] & d_mask3
-            src = k_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_k_b, stride_k_h, stride_k_s, offs_d)
+            src, src2 = _pair_pointers(k_ptr, batch, offs_h, offs_s64, stride_k_b, stride_k_h, stride_k_s, offs_1,
+                                       offs_2, HALF, SECOND_OFFSETS)
             x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            x2 = tl.load(src + HALF, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            x2 = tl.load(src2, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             cos1, cos2, sin1, sin2 = _load_cos_sin(
-                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
+                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, rot_mask,
                 stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-                attention_scaling, dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
+                attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
             )
             out1, out2 = _norm_rope(
-                x1, x2, k_weight_ptr, offs_d, d_mask, k_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM, HALF,
-                INTERPRETED, NORM_STYLE, ROPE_FIRST,
+                x1, x2, k_weight_ptr, offs_1, offs_2, d_mask, rotated, k_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM,
+                HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
             )
             out1 = out1.to(dtype)
             out2 = out2.to(dtype)
-            dst = k_out_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_ko_b, stride_ko_h, stride_ko_s, offs_d)
+            dst, dst2 = _pair_pointers(k_out_ptr, batch, offs_h, offs_s64, stride_ko_b, stride_ko_h, stride_ko_s,
+                                       offs_1, offs_2, HALF, SECOND_OFFSETS)
             tl.store(dst, out1, mask=mask)
-            tl.store(dst + HALF, out2, mask=mask)
+            tl.store(dst2, out2, mask=mask)
             cache_mask = (head_ok[:, None] & position_ok[None, :])[:, :, None] & d_mask3
-            dst = k_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_kc_b, stride_kc_h, stride_kc_l, offs_d)
+            dst, dst2 = _pair_pointers(k_cache_ptr, batch, offs_h, positions, stride_kc_b, stride_kc_h, stride_kc_l,
+                                       offs_1, offs_2, HALF, SECOND_OFFSETS)
             tl.store(dst, out1, mask=cache_mask)
-            tl.store(dst + HALF, out2, mask=cache_mask)
+            tl.store(dst2, out2, mask=cache_mask)
         else:
             # ---- v: copy into v_cache (raw values, no math); v rows of skipped positions are not read
             offs_h = ((kv_block - kv_head_blocks) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
@@ -440,7 +539,8 @@ def _interpreted() -> bool:
 def _launch(
     q, k, v, q_weight, k_weight, cos, sin, position_ids, inv_freq, attention_scaling,
     k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-    tokens_per_program, heads_per_program, num_warps, norm="weight", rope_first=False,
+    tokens_per_program, heads_per_program, num_warps, norm="weight", rope_first=False, rotary_dim=None,
+    interleaved=False,
 ) -> None:
     batch, q_heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -483,6 +583,8 @@ def _launch(
         INTERPRETED=_interpreted(),
         NORM_STYLE=NORM_STYLES.index(norm),
         ROPE_FIRST=bool(rope_first),
+        ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),
+        INTERLEAVED=bool(interleaved),
         num_warps=config.num_warps,
         **COMPILE_OPTIONS,
     )
@@ -514,6 +616,8 @@ def qk_norm_rope_cache_triton(
     num_warps: int | None = None,
     norm: str = "weight",
     rope_first: bool = False,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
 ) -> None:
     """Fused per-head RMSNorm(q, k) -> RoPE -> K/V cache write, one kernel launch.
 
@@ -523,7 +627,7 @@ def qk_norm_rope_cache_triton(
     Args:
         q: [B, Hq, S, D]; k, v: [B, Hkv, S, D] (any strides, ``stride(-1) == 1``).
         q_weight, k_weight: [D] RMSNorm weights (None for ``norm="no_weight"``).
-        cos, sin: [Bc, S, D] with Bc in {1, B}, rows contiguous.
+        cos, sin: [Bc, S, R] with Bc in {1, B}, rows contiguous; R = rotary_dim.
         k_cache, v_cache: [B, Hkv, L, D], written in place at ``cache_position``.
         cache_position: [S] int64 or int32; negative positions count from the end (Python
             indexing); positions outside [-L, L) are skipped.
@@ -533,11 +637,17 @@ def qk_norm_rope_cache_triton(
             default ``launch_config``'s rule.
         norm: the RMSNorm form, one of ``NORM_STYLES`` (the kernel's ``NORM_STYLE`` constexpr).
         rope_first: RoPE before the norm (HunYuan's order; the ``ROPE_FIRST`` constexpr).
+        rotary_dim: features rotated, the first R of D (partial rotary; the ``ROTARY_DIM``
+            constexpr); None: all D. R < D must be a multiple of 16 (as must D), see
+            ``_feature_offsets``.
+        interleaved: rotate the pairs ``(x[2i], x[2i+1])`` by ``cos[..., i]``, ``sin[..., i]``
+            (GPT-J / GLM ``rotate_half`` on interleaved features; the ``INTERLEAVED`` constexpr);
+            not with a partial ``rotary_dim``.
     """
     _launch(
         q, k, v, q_weight, k_weight, cos, sin, None, None, 1.0,
         k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-        tokens_per_program, heads_per_program, num_warps, norm, rope_first,
+        tokens_per_program, heads_per_program, num_warps, norm, rope_first, rotary_dim, interleaved,
     )
 
 

@@ -128,6 +128,56 @@ Variants (one registration each, generated from one definition, ``VARIANTS``):
       if cache is not None:
           key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
+- rotary: all of head_dim, or partial (``partial_rotary_factor < 1``: only the first
+  ``rotary_dim = cos.shape[-1]`` features rotated, the rest passed through), as transformers'
+  ``Glm4MoeAttention`` (GLM-4.5, ``models/glm4_moe/modeling_glm4_moe.py``) writes it: the
+  Qwen3 norm form before the transpose (``Glm4MoeRMSNorm`` is ``Qwen3RMSNorm``'s code,
+  ``use_qk_norm=True``), then::
+
+      def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+          cos = cos.unsqueeze(unsqueeze_dim)
+          sin = sin.unsqueeze(unsqueeze_dim)
+
+          # Keep half or full tensor for later concatenation
+          rotary_dim = cos.shape[-1]
+          q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+          k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+
+          # Apply rotary embeddings on the first half or full tensor
+          q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+          k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+
+          # Concatenate back to full shape
+          q_embed = torch.cat([q_embed, q_pass], dim=-1)
+          k_embed = torch.cat([k_embed, k_pass], dim=-1)
+          return q_embed, k_embed
+
+  with a dense cache (``StaticCache.update``); replaced by the op with
+  ``rotary_dim=cos.shape[-1]``. The slice bounds are bound by the re-check with the real
+  shapes, so a graph that rotates other features than the first ``rotary_dim`` (or passes
+  through other ones) is a different graph.
+- interleaved (GPT-J style) pairs ``(x[2i], x[2i+1])``, all features rotated, as transformers'
+  GLM (``models/glm/modeling_glm.py``) writes it (GPT-J's ``rotate_every_two`` with
+  ``repeat_interleave(sin, 2, 3)`` is the same computation)::
+
+      def rotate_half(x):
+          x1 = x[..., 0::2]
+          x2 = x[..., 1::2]
+          return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+      # in apply_rotary_pos_emb, after cos.unsqueeze(unsqueeze_dim):
+      # Interleave them instead of usual shape
+      cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+      sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+      ...
+      q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+
+  with cos/sin as wide as head_dim (GLM's ``q_rot, q_pass`` slices are then the whole tensor
+  and nothing: the post-grad graph has neither). No transformers model combines this RoPE with
+  a per-head RMSNorm before a KV-cache write (GLM, GPT-J and CodeGen have no q/k norm; Cohere's
+  is a LayerNorm and rotates in fp32): the registration, Qwen3's norm before the transpose with
+  a dense cache, is tested on a model written in that style. Replaced by the op with
+  ``interleaved=True``.
 
 q, k and v may be any views with a contiguous last dim: slices of one fused QKV projection
 (``qkv_proj(x).split([Hq*D, Hkv*D, Hkv*D], -1)``) match like separate projections. cos/sin
@@ -171,9 +221,12 @@ from fusion_pass.kernels.qk_norm_rope_cache_op import (
 # The Hugging Face building blocks, op for op: traced, they are the model's graph.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (
     gemma_rms_norm_reference,
+    interleaved_rope_tables,
+    partial_rope_reference,
     pow_rms_norm_no_weight_reference,
     rms_norm_reference,
     rope_reference,
+    rotate_half_interleaved,
     torch_rms_norm_reference,
 )
 from fusion_pass.matching import apply_first_to_last
@@ -246,6 +299,13 @@ class Variant:
     rope_first:
         RoPE, then the norm (HunYuan's order); layouts ``"bhsd"`` and ``"tokens"`` (RoPE needs
         the heads before the tokens).
+    partial_rope:
+        partial rotary (``Glm4MoeAttention``): cos/sin are ``rotary_dim < head_dim`` wide, the
+        first ``rotary_dim`` features are rotated and the rest passed through
+        (``partial_rope_reference``).
+    interleaved:
+        GPT-J style pairs ``(x[2i], x[2i+1])`` (GLM's ``apply_rotary_pos_emb``, all features
+        rotated, ``_interleaved_rope``).
     """
 
     layout: str
@@ -253,6 +313,8 @@ class Variant:
     norm: str = "qwen3"
     strided: bool = False
     rope_first: bool = False
+    partial_rope: bool = False
+    interleaved: bool = False
 
     @property
     def paged(self) -> bool:
@@ -267,24 +329,40 @@ _GEOMETRIES = (("bshd", "dense"), ("bhsd", "dense"), ("bshd", "paged"), ("bshd",
                ("tokens", "paged"), ("tokens", "flat"))
 # Every norm form with every layout and cache write: one registration each (two for a norm
 # whose graph differs for strided inputs); then RoPE before the norm: HunYuan's norm (the
-# Qwen3 form) on the layouts where RoPE can run first.
+# Qwen3 form) on the layouts where RoPE can run first; then partial rotary with the Qwen3 norm
+# before the transpose and a dense cache (GLM-4.5's Glm4MoeAttention with a StaticCache), and
+# interleaved pairs (GLM's RoPE) in the same place.
 VARIANTS = tuple(
     Variant(layout, cache, norm, strided)
     for norm, form in NORM_FORMS.items()
     for layout, cache in _GEOMETRIES
     for strided in ((False, True) if form.copies_strided_input and layout == "bhsd" else (False,))
 ) + tuple(Variant(layout, cache, "qwen3", rope_first=True)
-          for layout, cache in _GEOMETRIES if layout != "bshd")
+          for layout, cache in _GEOMETRIES if layout != "bshd") + (
+    Variant("bshd", "dense", "qwen3", partial_rope=True),
+    Variant("bshd", "dense", "qwen3", interleaved=True),
+)
 
 
 # --- the model code, as functions --------------------------------------------------------
 
-def _norm_rope(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose):
+def _interleaved_rope(q, k, cos, sin):
+    """GLM's ``apply_rotary_pos_emb`` with all features rotated: the interleaved tables are made
+    once and multiply both q and k, as in the model's graph (one table per tensor would be
+    another graph)."""
+    cos, sin = interleaved_rope_tables(cos, sin)
+    return (q * cos) + (rotate_half_interleaved(q) * sin), (k * cos) + (rotate_half_interleaved(k) * sin)
+
+
+def _norm_rope(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose,
+               rope=rope_reference, interleaved=False):
     q = norm.fn(q, q_weight, q_eps)
     k = norm.fn(k, k_weight, k_eps)
     if norm_before_transpose:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+    if interleaved:
+        return _interleaved_rope(q, k, cos, sin)
+    return rope(q, cos, sin), rope(k, cos, sin)
 
 
 def _rope_norm(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps):
@@ -315,7 +393,9 @@ def _search(variant: Variant):
             q_rot, k_rot = _rope_norm(variant.norm_form, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps)
         else:
             q_rot, k_rot = _norm_rope(variant.norm_form, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps,
-                                      variant.layout == "bshd")
+                                      variant.layout == "bshd",
+                                      partial_rope_reference if variant.partial_rope else rope_reference,
+                                      variant.interleaved)
         k_cache = _cache_write(variant, k_cache, cache_position, k_rot)
         v_cache = _cache_write(variant, v_cache, cache_position, v)
         return q_rot, k_rot, k_cache, v_cache
@@ -389,6 +469,10 @@ def _fused(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_c
     norm_args = {} if variant.norm_form.style == "weight" else dict(norm=variant.norm_form.style)
     if variant.rope_first:
         norm_args["rope_first"] = True
+    if variant.partial_rope:
+        norm_args["rotary_dim"] = cos.shape[-1]
+    if variant.interleaved:
+        norm_args["interleaved"] = True
     out = auto_functionalized(
         op, q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight,
         cos=cos_rows(cos, token_layout), sin=cos_rows(sin, token_layout), **cache_args, q_eps=q_eps, k_eps=k_eps,
@@ -433,7 +517,8 @@ def _check(match: Match, variant: Variant) -> bool:
     check = check_qk_norm_rope_paged_cache_args if variant.paged else check_qk_norm_rope_cache_args
     try:
         check(q, k, v, _val(match, "q_weight"), _val(match, "k_weight"), cos, sin,
-              _val(match, "k_cache"), _val(match, "v_cache"), _val(match, "cache_position"), variant.norm_form.style)
+              _val(match, "k_cache"), _val(match, "v_cache"), _val(match, "cache_position"), variant.norm_form.style,
+              cos.shape[-1] if variant.partial_rope else None, variant.interleaved)
         reason = unsupported_reason(q.shape[-1], q.dtype)
     except ValueError as error:
         reason = re.sub(r"^fusion_pass\.qk_norm_rope_(paged_)?cache: ", "", str(error))
@@ -472,7 +557,8 @@ def _example_inputs(variant: Variant):
         else:
             q, k = normed(batch, q_heads, seq, head_dim), normed(batch, kv_heads, seq, head_dim)
         v = t(batch, kv_heads, seq, head_dim)
-        cos, sin = t(batch, 1, seq, head_dim), t(batch, 1, seq, head_dim)
+        rotary_dim = head_dim // 2 if variant.partial_rope else head_dim
+        cos, sin = t(batch, 1, seq, rotary_dim), t(batch, 1, seq, rotary_dim)
     cache_shape = {"dense": (batch, kv_heads, length, head_dim), "paged": (3, length // 3, kv_heads, head_dim),
                    "flat": (length, kv_heads, head_dim)}[variant.cache]
     # Distinct example tensors for every argument: shared ones would merge in the pattern.

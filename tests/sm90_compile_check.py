@@ -74,7 +74,8 @@ def variants() -> dict:
     for rope_from_positions in (False, True):
         constexprs = dict(HEAD_DIM=128, HALF_BLOCK=64, HEADS_PER_PROGRAM=8, TOKENS_PER_PROGRAM=4,
                           ROPE_FROM_POSITIONS=rope_from_positions, INTERPRETED=False, NORM_STYLE=0,
-                          ROPE_FIRST=False)
+                          ROPE_FIRST=False, ROTARY_DIM=128,
+                          INTERLEAVED=False)
         out[f"forward_bf16_d128{'_from_positions' if rope_from_positions else ''}"] = (
             forward._qk_norm_rope_cache_kernel, fwd_pointers, constexprs, fwd_floats,
             dict(num_warps=4, **forward.COMPILE_OPTIONS))
@@ -82,6 +83,10 @@ def variants() -> dict:
     # the norm (HunYuan's order).
     others = {f"norm_{norm}": dict(NORM_STYLE=style) for style, norm in enumerate(forward.NORM_STYLES) if style}
     others["rope_first"] = dict(ROPE_FIRST=True)
+    # Partial rotary (GLM-4.5 / Glm4Moe: the first 64 of 128 features rotated).
+    others["partial_rotary_64"] = dict(ROTARY_DIM=64)
+    # Interleaved (GPT-J) pairs: stride-2 accesses, a first version.
+    others["interleaved"] = dict(INTERLEAVED=True)
     for suffix, change in others.items():
         out[f"forward_bf16_d128_{suffix}"] = (
             forward._qk_norm_rope_cache_kernel, fwd_pointers, dict(out["forward_bf16_d128"][2], **change), fwd_floats,

@@ -1,5 +1,5 @@
-"""The forward fusion on whole models: Hugging Face Qwen3, HunYuanDenseV1 (RoPE before the norm)
-and Gemma3 (``1 + weight`` norm after the transpose) with a StaticCache, in-place cache updates
+"""The forward fusion on whole models: Hugging Face Qwen3, HunYuanDenseV1 (RoPE before the norm),
+Gemma3 (``1 + weight`` norm after the transpose) and Glm4Moe (GLM-4.5: partial rotary) with a StaticCache, in-place cache updates
 in the generated code, and no extra recompilation."""
 
 from __future__ import annotations
@@ -48,8 +48,13 @@ def _tiny_model(family: str):
     elif family == "gemma3":  # Gemma3RMSNorm, after the transpose; full attention (no sliding cache)
         config = transformers.Gemma3TextConfig(**geometry, layer_types=["full_attention"] * 2)
         model = transformers.Gemma3ForCausalLM(config)
+    elif family == "glm4_moe":  # q_norm/k_norm (use_qk_norm), partial rotary (factor 0.5: 16 of 32 rotated)
+        # head_dim 32: the op's partial rotary_dim is a multiple of 16. first_k_dense_replace=2:
+        # both layers take the dense MLP (the attention prologue is the same in MoE layers).
+        config = transformers.Glm4MoeConfig(**dict(geometry, head_dim=32), use_qk_norm=True, first_k_dense_replace=2)
+        model = transformers.Glm4MoeForCausalLM(config)
     else:
-        raise ValueError(f"family: expected qwen3, hunyuan_dense_v1 or gemma3, got {family!r}")
+        raise ValueError(f"family: expected qwen3, hunyuan_dense_v1, gemma3 or glm4_moe, got {family!r}")
     model = model.to(torch.bfloat16).eval()
     # Gemma3 stores norm weights as offsets from 1 (initialized to zeros).
     neutral = 0.0 if family == "gemma3" else 1.0
@@ -64,7 +69,7 @@ def _prefill_and_decode(forward, config, input_ids, cache_len, decode_steps=2):
     return _prefill_and_decode_on(forward, config, input_ids, cache_len, decode_steps)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "hunyuan_dense_v1", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "hunyuan_dense_v1", "gemma3", "glm4_moe"])
 def test_hf_static_cache_prefill_then_decode(family):
     config, model = _tiny_model(family)
     batch, seq, cache_len, steps = 2, 7, 32, 2

@@ -1,0 +1,189 @@
+"""The forward fusion with interleaved (GPT-J style) RoPE: the pairs ``(x[2i], x[2i+1])`` rotated by
+entry i of the tables, as transformers' GLM ``apply_rotary_pos_emb`` computes it (``rotate_half``
+on ``x[..., 0::2]``/``x[..., 1::2]``, tables ``cos[..., :D/2].repeat_interleave(2)``).
+
+No transformers model has this RoPE after a per-head RMSNorm in front of a KV-cache write (GLM,
+GPT-J and CodeGen have no q/k norm; Cohere's q/k norm is a LayerNorm and it rotates in fp32), so
+the prologue below is written in Hugging Face's style: transformers' ``Glm4MoeRMSNorm`` (Qwen3's
+form) per head, then transformers' GLM ``apply_rotary_pos_emb`` itself, then a StaticCache-style
+write. Exact match counts, bit-exact numerics against eager, a look-alike left alone, the op's
+``interleaved`` argument computed as the model computes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.glm.modeling_glm import apply_rotary_pos_emb as glm_apply_rotary_pos_emb
+from transformers.models.glm.modeling_glm import rotate_half as glm_rotate_half
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
+
+from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_reference, rope_reference
+from compile_capture import eager, fused_count, run_fused
+
+# Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
+UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
+# test_qk_norm_rope_cache_kernel.py's MAX_ULPS for fp16 under the interpreter.
+FP16_INTERPRETED_MAX_ULPS = 2.0
+
+
+def second_half_tables(q, k, cos, sin, unsqueeze_dim=1):
+    """A look-alike of GLM's ``apply_rotary_pos_emb`` that interleaves the *second* half of the
+    tables: the same graph but for the slice bounds. With tables whose halves differ it is
+    another computation: must stay unfused."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., cos.shape[-1] // 2:].repeat_interleave(2, dim=-1)
+    sin = sin[..., sin.shape[-1] // 2:].repeat_interleave(2, dim=-1)
+    return (q * cos) + (glm_rotate_half(q) * sin), (k * cos) + (glm_rotate_half(k) * sin)
+
+
+class InterleavedRopePrologue(nn.Module):
+    """Projections -> per-head ``Glm4MoeRMSNorm`` on ``[B, S, H, D]`` -> transpose -> GLM's
+    interleaved ``apply_rotary_pos_emb`` -> ``index_copy_(2, cache_position, .)``.
+
+    Forward(hidden_states [B, S, hidden], cos/sin [B, S, D], k_cache/v_cache [B, Hkv, L, D],
+    cache_position [S]) returns (q_rotated [B, Hq, S, D], a sum that reads the updated caches).
+    """
+
+    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=32, eps=1e-6, rope=glm_apply_rotary_pos_emb):
+        super().__init__()
+        self.head_dim, self.rope = head_dim, rope
+        self.q_proj = nn.Linear(hidden, q_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.q_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
+        self.k_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
+        with torch.no_grad():  # neutral weights would hide a weight applied twice or not at all
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
+
+    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states, key_states = self.rope(query_states, key_states, cos, sin)
+        k_cache.index_copy_(2, cache_position, key_states)  # StaticCache.update
+        v_cache.index_copy_(2, cache_position, value_states)
+        return query_states, query_states.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+
+
+def make_interleaved_inputs(batch=2, seq=5, past=3, hidden=64, kv_heads=2, head_dim=32, cache_len=24,
+                            dtype=torch.bfloat16, halves_differ=False, seed=0):
+    """Random inputs: hidden [B, S, hidden], cos/sin [B, S, D] (Hugging Face's ``cat(freqs, freqs)``,
+    or with ``halves_differ`` two different halves), random caches [B, Hkv, L, D], cache_position [S]."""
+    g = torch.Generator().manual_seed(seed)
+    hidden_states = torch.randn(batch, seq, hidden, generator=g).to(dtype)
+    angles = torch.rand(batch, seq, head_dim // 2, generator=g) * 6.28
+    second = torch.rand(batch, seq, head_dim // 2, generator=g) * 6.28 if halves_differ else angles
+    emb = torch.cat((angles, second), dim=-1)
+    k_cache = torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype)
+    return [hidden_states, emb.cos().to(dtype), emb.sin().to(dtype), k_cache, v_cache, torch.arange(past, past + seq)]
+
+
+def fused_call(graph_text: str) -> str:
+    calls = [line for line in graph_text.splitlines() if "fusion_pass.qk_norm_rope" in line]
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+# --- the model form fuses, bit for bit --------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "dtype,geometry",
+    [
+        (torch.bfloat16, dict(batch=2, seq=5, q_heads=4, kv_heads=2, head_dim=32)),
+        (torch.float16, dict(batch=1, seq=1, q_heads=8, kv_heads=2, head_dim=64)),  # decode, GQA 4
+    ],
+    ids=["bf16_prefill", "fp16_decode"],
+)
+def test_interleaved_rope_fuses_once_and_is_bit_exact(dtype, geometry):
+    q_heads = geometry.pop("q_heads")
+    model = InterleavedRopePrologue(q_heads=q_heads, kv_heads=geometry["kv_heads"],
+                                    head_dim=geometry["head_dim"]).to(dtype)
+    inputs = make_interleaved_inputs(dtype=dtype, **geometry)
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    call = fused_call(capture.after[0])
+    assert "interleaved=True" in call, call
+    assert "norm=" not in call and "rotary_dim" not in call
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+# --- a look-alike stays unfused ---------------------------------------------------------------
+
+def test_interleaving_the_second_half_of_the_tables_is_not_fused():
+    model = InterleavedRopePrologue(rope=second_half_tables).to(torch.bfloat16)
+    inputs = make_interleaved_inputs(halves_differ=True)
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 0
+    assert "fusion_pass.qk_norm_rope" not in capture.after[0]
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+    torch.testing.assert_close(inputs[3], ref_inputs[3], **UNFUSED_TOL)
+
+
+# --- the op's interleaved argument ------------------------------------------------------------
+
+def make_op_args(dtype=torch.bfloat16, head_dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    return dict(
+        q=r(2, 5, 4, head_dim).transpose(1, 2), k=r(2, 5, 2, head_dim, scale=3.0).transpose(1, 2),
+        v=r(2, 5, 2, head_dim).transpose(1, 2),
+        q_weight=r(head_dim, scale=0.3) + 1.0, k_weight=r(head_dim, scale=0.3) + 1.0,
+        cos=r(2, 5, head_dim), sin=r(2, 5, head_dim),
+        k_cache=r(2, 2, 12, head_dim), v_cache=r(2, 2, 12, head_dim),
+        cache_position=torch.tensor([3, -1, 7, 20, 0]), q_eps=1e-6, k_eps=1e-5, interleaved=True,
+    )
+
+
+@pytest.mark.parametrize("rope_first", [False, True], ids=["norm_rope", "rope_norm"])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_op_interleaved_matches_the_reference(dtype, head_dim, rope_first):
+    """The kernel (Triton interpreter on CPU) against GLM's computation (the reference): bf16 bit
+    for bit, fp16 within the interpreter bound; the cache rows hold k_out. head_dim 48 masks
+    the padded half tile."""
+    args = dict(make_op_args(dtype, head_dim), rope_first=rope_first)
+    ref = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
+    q_ref, k_ref = qk_norm_rope_cache_reference(**ref)
+    if dtype == torch.bfloat16:
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    else:
+        for out, want in ((q_out, q_ref), (k_out, k_ref)):
+            # fp16 ulps at the output's scale (the statistic's summation order, see the kernel tests).
+            ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-14))) - 10)
+            assert float(((out.float() - want.float()).abs() / ulp).max()) <= FP16_INTERPRETED_MAX_ULPS
+    for position, token in ((3, 0), (11, 1), (7, 2), (0, 4)):
+        assert torch.equal(args["k_cache"][:, :, position], k_out[:, :, token])
+    assert torch.equal(args["v_cache"], ref["v_cache"])
+
+
+def test_op_interleaved_is_glm_rope_and_not_rotate_half():
+    """The reference is transformers' GLM function itself (on the normed q), and the same op call
+    without ``interleaved`` gives other bits."""
+    from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference
+
+    args = make_op_args()
+    q_out, _ = torch.ops.fusion_pass.qk_norm_rope_cache(**{n: (t.clone() if isinstance(t, torch.Tensor) else t)
+                                                            for n, t in args.items()})
+    normed_q = rms_norm_reference(args["q"], args["q_weight"], args["q_eps"])
+    normed_k = rms_norm_reference(args["k"], args["k_weight"], args["k_eps"])
+    glm_q, _ = glm_apply_rotary_pos_emb(normed_q, normed_k, args["cos"], args["sin"])
+    assert torch.equal(q_out, glm_q)
+    assert not torch.equal(q_out, rope_reference(normed_q, args["cos"].unsqueeze(1), args["sin"].unsqueeze(1)))
+
+
+def test_op_rejects_interleaved_with_a_partial_rotary_dim_by_name():
+    args = dict(make_op_args(), rotary_dim=32)
+    args["cos"], args["sin"] = args["cos"][..., :32], args["sin"][..., :32]
+    with pytest.raises(ValueError, match=r"qk_norm_rope_cache: interleaved: expected False with a partial rotary_dim"):
+        torch.ops.fusion_pass.qk_norm_rope_cache(**args)

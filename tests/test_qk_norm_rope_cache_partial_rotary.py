@@ -1,0 +1,231 @@
+"""The forward fusion with partial rotary: only the first ``rotary_dim < head_dim`` features are
+rotated, the rest passed through after the per-head norm, as transformers' ``Glm4MoeAttention``
+(GLM-4.5, ``partial_rotary_factor=0.5``, ``use_qk_norm=True``) writes it. The prologue below calls
+transformers' own ``Glm4MoeRMSNorm`` and ``apply_rotary_pos_emb``. Exact match counts, bit-exact
+numerics against eager, a look-alike left alone, a near-miss reported, the op's ``rotary_dim``
+argument checked and computed as the model computes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm, apply_rotary_pos_emb, rotate_half
+
+import fusion_pass
+from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, qk_norm_rope_cache_reference
+from compile_capture import eager, fused_count, run_fused
+
+# Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
+UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
+# test_qk_norm_rope_cache_kernel.py's MAX_ULPS for fp16 under the interpreter.
+FP16_INTERPRETED_MAX_ULPS = 2.0
+
+
+def rotate_last_features(q, k, cos, sin):
+    """A look-alike of ``apply_rotary_pos_emb``: rotates the *last* ``rotary_dim`` features and
+    passes the first ones through. Not what the op computes: must stay unfused."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    out = []
+    for x in (q, k):
+        x_pass, x_rot = x[..., :-rotary_dim], x[..., -rotary_dim:]
+        out.append(torch.cat([x_pass, (x_rot * cos) + (rotate_half(x_rot) * sin)], dim=-1))
+    return tuple(out)
+
+
+class Glm4MoePrologue(nn.Module):
+    """``Glm4MoeAttention.forward`` up to the cache write, with a ``StaticCache``-style write.
+
+    Forward(hidden_states [B, S, hidden], cos/sin [B, S, rotary_dim], k_cache/v_cache
+    [B, Hkv, L, D], cache_position [S]) returns (q_rotated [B, Hq, S, D], a sum that reads the
+    updated caches, as attention would). ``rope``: transformers' ``apply_rotary_pos_emb`` of
+    GLM-4.5 (default) or a look-alike with the same signature.
+    """
+
+    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=64, eps=1e-6, rope=apply_rotary_pos_emb):
+        super().__init__()
+        self.head_dim, self.rope = head_dim, rope
+        self.q_proj = nn.Linear(hidden, q_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.q_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
+        self.k_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
+        with torch.no_grad():  # neutral weights would hide a weight applied twice or not at all
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
+
+    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        value_states = self.v_proj(hidden_states).view(hidden_shape)
+        query_states = self.q_norm(query_states)  # use_qk_norm
+        key_states = self.k_norm(key_states)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        value_states = value_states.transpose(1, 2)
+        query_states, key_states = self.rope(query_states, key_states, cos, sin)
+        k_cache.index_copy_(2, cache_position, key_states)  # StaticCache.update
+        v_cache.index_copy_(2, cache_position, value_states)
+        return query_states, query_states.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+
+
+def make_partial_inputs(batch=2, seq=5, past=3, hidden=64, kv_heads=2, head_dim=64, rotary_dim=32, cache_len=24,
+                        dtype=torch.bfloat16, seed=0):
+    """Random inputs: hidden [B, S, hidden], cos/sin [B, S, rotary_dim] (``cat(freqs, freqs)`` as
+    the rotary module builds them), random caches [B, Hkv, L, D] (untouched rows checkable),
+    cache_position [S]."""
+    g = torch.Generator().manual_seed(seed)
+    hidden_states = torch.randn(batch, seq, hidden, generator=g).to(dtype)
+    angles = torch.rand(batch, seq, rotary_dim // 2, generator=g) * 6.28
+    emb = torch.cat((angles, angles), dim=-1)
+    k_cache = torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype)
+    return [hidden_states, emb.cos().to(dtype), emb.sin().to(dtype), k_cache, v_cache, torch.arange(past, past + seq)]
+
+
+def fused_call(graph_text: str) -> str:
+    calls = [line for line in graph_text.splitlines() if "fusion_pass.qk_norm_rope" in line]
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+# --- the model form fuses, bit for bit --------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "dtype,geometry",
+    [
+        (torch.bfloat16, dict(batch=2, seq=5, q_heads=4, kv_heads=2, head_dim=64, rotary_dim=32)),  # factor 0.5
+        (torch.float16, dict(batch=1, seq=1, q_heads=8, kv_heads=2, head_dim=64, rotary_dim=16)),  # decode, 0.25
+    ],
+    ids=["bf16_prefill_half", "fp16_decode_quarter"],
+)
+def test_glm4_moe_partial_rotary_fuses_once_and_is_bit_exact(dtype, geometry):
+    q_heads = geometry.pop("q_heads")
+    model = Glm4MoePrologue(hidden=64, q_heads=q_heads, kv_heads=geometry["kv_heads"],
+                            head_dim=geometry["head_dim"]).to(dtype)
+    inputs = make_partial_inputs(dtype=dtype, **geometry)
+    cache_before = inputs[3].clone()
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    call = fused_call(capture.after[0])
+    assert f"rotary_dim={geometry['rotary_dim']}" in call, call
+    assert "norm=" not in call  # Glm4MoeRMSNorm is the Qwen3 form: the op's default
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+    # The pass-through features of the written k rows are the normed k, not rotated: the write
+    # changed them (random cache before), and eager agrees on every bit of them.
+    position = int(inputs[5][0])
+    assert not torch.equal(inputs[3][:, :, position], cache_before[:, :, position])
+
+
+def test_full_rotary_graph_still_calls_the_op_without_rotary_dim():
+    """cos/sin as wide as head_dim: transformers' partial code slices nothing, and the graph is
+    the Qwen3 one (``q[..., head_dim:]`` is empty): the op is called as before, no rotary_dim."""
+    model = Glm4MoePrologue(head_dim=32).to(torch.bfloat16)
+    inputs = make_partial_inputs(head_dim=32, rotary_dim=32)
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert "rotary_dim" not in fused_call(capture.after[0])
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3])
+
+
+# --- look-alikes and near-misses stay unfused -------------------------------------------------
+
+def test_rotating_the_last_features_is_not_fused():
+    model = Glm4MoePrologue(rope=rotate_last_features).to(torch.bfloat16)
+    inputs = make_partial_inputs()
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 0
+    assert "fusion_pass.qk_norm_rope" not in capture.after[0]
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+    torch.testing.assert_close(inputs[3], ref_inputs[3], **UNFUSED_TOL)
+
+
+def test_rotary_dim_the_kernel_does_not_serve_is_a_reported_near_miss():
+    """rotary_dim 8 of head_dim 32 (not a multiple of 16): the whole prologue matches, the op's
+    check refuses it, and the report names the argument."""
+    model = Glm4MoePrologue(head_dim=32).to(torch.bfloat16)
+    inputs = make_partial_inputs(head_dim=32, rotary_dim=8)
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 0
+    assert "fusion_pass.qk_norm_rope" not in capture.after[0]
+    assert "rotary_dim: expected" in fusion_pass.report()
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+
+
+# --- the op's rotary_dim argument -------------------------------------------------------------
+
+def make_op_args(dtype=torch.bfloat16, head_dim=64, rotary_dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    return dict(
+        q=r(2, 5, 4, head_dim).transpose(1, 2), k=r(2, 5, 2, head_dim, scale=3.0).transpose(1, 2),
+        v=r(2, 5, 2, head_dim).transpose(1, 2),
+        q_weight=r(head_dim, scale=0.3) + 1.0, k_weight=r(head_dim, scale=0.3) + 1.0,
+        cos=r(2, 5, rotary_dim), sin=r(2, 5, rotary_dim),
+        k_cache=r(2, 2, 12, head_dim), v_cache=r(2, 2, 12, head_dim),
+        cache_position=torch.tensor([3, -1, 7, 20, 0]), q_eps=1e-6, k_eps=1e-5, rotary_dim=rotary_dim,
+    )
+
+
+@pytest.mark.parametrize("rope_first", [False, True], ids=["norm_rope", "rope_norm"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 32), (128, 64), (64, 16), (64, 48), (48, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_op_partial_rotary_matches_the_reference(dtype, head_dim, rotary_dim, rope_first):
+    """The kernel (Triton interpreter on CPU) against the reference: bf16 bit for bit, fp16
+    within the interpreter bound; the pass-through features equal the normed input's (norm
+    first), and the cache rows hold k_out. head_dim 48 masks the padded half tile."""
+    args = dict(make_op_args(dtype, head_dim, rotary_dim), rope_first=rope_first)
+    ref = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
+    q_ref, k_ref = qk_norm_rope_cache_reference(**ref)
+    if dtype == torch.bfloat16:
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    else:
+        for out, want in ((q_out, q_ref), (k_out, k_ref)):
+            # fp16 ulps at the output's scale (the statistic's summation order, see the kernel tests).
+            ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-14))) - 10)
+            assert float(((out.float() - want.float()).abs() / ulp).max()) <= FP16_INTERPRETED_MAX_ULPS
+    for position, token in ((3, 0), (11, 1), (7, 2), (0, 4)):
+        assert torch.equal(args["k_cache"][:, :, position], k_out[:, :, token])
+    assert torch.equal(args["v_cache"], ref["v_cache"])
+
+
+def test_op_partial_rotary_is_not_full_rotary_of_the_slice():
+    """The pass-through features are the normed input, unrotated; the rotated ones differ from
+    a full-width RoPE with cos/sin padded: the kernel really takes the partial branch."""
+    args = make_op_args()
+    q_out, _ = torch.ops.fusion_pass.qk_norm_rope_cache(**{n: (t.clone() if isinstance(t, torch.Tensor) else t)
+                                                            for n, t in args.items()})
+    from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference
+
+    normed = rms_norm_reference(args["q"], args["q_weight"], args["q_eps"])
+    assert torch.equal(q_out[..., 32:], normed[..., 32:])
+    rotated = partial_rope_reference(normed, args["cos"].unsqueeze(1), args["sin"].unsqueeze(1))
+    assert torch.equal(q_out, rotated)
+    assert not torch.equal(q_out[..., :32], normed[..., :32])
+
+
+@pytest.mark.parametrize(
+    "change,name,expected",
+    [
+        (dict(rotary_dim=8), "rotary_dim", "None, head_dim=64, or a multiple of 16"),
+        (dict(rotary_dim=80), "rotary_dim", "None, head_dim=64, or a multiple of 16"),
+        (dict(rotary_dim=48), "cos", r"shape \[1 or B=2, S=5, rotary_dim=48\]"),
+        (dict(rotary_dim=None), "cos", r"shape \[1 or B=2, S=5, D=64\]"),
+    ],
+)
+def test_op_rejects_a_rotary_dim_that_does_not_fit_by_name(change, name, expected):
+    args = dict(make_op_args(), **change)
+    with pytest.raises(ValueError, match=rf"qk_norm_rope_cache: {name}: expected {expected}"):
+        torch.ops.fusion_pass.qk_norm_rope_cache(**args)
