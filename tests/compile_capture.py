@@ -32,3 +32,10 @@ def run_fused(model, inputs, **compile_kwargs):
     compiled, capture = compile_forward(model, **compile_kwargs)
     with torch.no_grad():
         return compiled(*inputs), capture
+
+
+def fused_call(graph_text: str) -> str:
+    """The one fused-op call line of a normalized graph text (asserts there is exactly one)."""
+    calls = [line for line in graph_text.splitlines() if "fusion_pass.qk_norm_rope" in line]
+    assert len(calls) == 1, calls
+    return calls[0]

@@ -14,7 +14,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm, apply
 
 import fusion_pass
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, qk_norm_rope_cache_reference
-from compile_capture import eager, fused_count, run_fused
+from compile_capture import eager, fused_call, fused_count, run_fused
 
 # Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
 UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
@@ -83,12 +83,6 @@ def make_partial_inputs(batch=2, seq=5, past=3, hidden=64, kv_heads=2, head_dim=
     k_cache = torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype)
     return [hidden_states, emb.cos().to(dtype), emb.sin().to(dtype), k_cache, v_cache, torch.arange(past, past + seq)]
-
-
-def fused_call(graph_text: str) -> str:
-    calls = [line for line in graph_text.splitlines() if "fusion_pass.qk_norm_rope" in line]
-    assert len(calls) == 1, calls
-    return calls[0]
 
 
 # --- the model form fuses, bit for bit --------------------------------------------------------
