@@ -7,7 +7,13 @@ unfused (Hugging Face ``HunYuanDenseV1Attention``; HunyuanImage-3 style with one
     q, k = apply_rotary_pos_emb(q, k, cos, sin)              # rotate_half RoPE, BEFORE the norm
     q = query_layernorm(q); k = key_layernorm(k)             # per-head RMSNorm
 
-fused::
+fused, as the training pass writes it into joint graphs (``QKVRopeQKNormFunction``, at the end
+of this module: forward in plain torch ops that Inductor compiles, backward one op)::
+
+    q, k, v = QKVRopeQKNormFunction.apply(hidden, q_norm_weight, k_norm_weight, cos, sin, Hq, Hkv,
+                                          eps, eps, 1, qkv_weight)
+
+fused, as one opaque op for direct calls (its forward runs the PyTorch reference)::
 
     q, k, v, q_rstd, k_rstd, saved = torch.ops.fusion_pass.qkv_rope_qk_norm(
         hidden, [qkv_weight], [], q_norm_weight, k_norm_weight, cos, sin, Hq, Hkv, eps, eps)

@@ -20,6 +20,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
 
 from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_reference, rope_reference
 from compile_capture import eager, fused_call, fused_count, run_fused
+from fused_op_args import random_op_args
 
 # Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
 UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
@@ -123,19 +124,7 @@ def test_interleaving_the_second_half_of_the_tables_is_not_fused():
 # --- the op's interleaved argument ------------------------------------------------------------
 
 def make_op_args(dtype=torch.bfloat16, head_dim=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-    return dict(
-        q=r(2, 5, 4, head_dim).transpose(1, 2), k=r(2, 5, 2, head_dim, scale=3.0).transpose(1, 2),
-        v=r(2, 5, 2, head_dim).transpose(1, 2),
-        q_weight=r(head_dim, scale=0.3) + 1.0, k_weight=r(head_dim, scale=0.3) + 1.0,
-        cos=r(2, 5, head_dim), sin=r(2, 5, head_dim),
-        k_cache=r(2, 2, 12, head_dim), v_cache=r(2, 2, 12, head_dim),
-        cache_position=torch.tensor([3, -1, 7, 20, 0]), q_eps=1e-6, k_eps=1e-5, interleaved=True,
-    )
+    return dict(random_op_args(dtype, head_dim, seed=seed), interleaved=True)
 
 
 @pytest.mark.parametrize("rope_first", [False, True], ids=["norm_rope", "rope_norm"])

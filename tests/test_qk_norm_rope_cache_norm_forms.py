@@ -15,6 +15,7 @@ from fusion_pass.demo import apply_rotary_pos_emb
 from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel
 from fusion_pass.kernels.qk_norm_rope_cache_reference import NORM_STYLES, norm_reference, qk_norm_rope_cache_reference
 from compile_capture import eager, fused_count, run_fused
+from fused_op_args import random_op_args
 from prologue_variants import NORM_LOOK_ALIKES, NORMS, DensePrologue, PagedPrologue, make_norm, make_paged_inputs
 from qwen3_style import make_inputs
 
@@ -180,23 +181,7 @@ def test_norm_form_rope_without_cache_write_is_a_reported_near_miss(norm):
 # --- the op's norm argument -------------------------------------------------------------------
 
 def make_op_args(norm, dtype=torch.bfloat16, head_dim=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-    weighted = norm != "no_weight"
-    # Gemma stores its weight as an offset from 1; the others around 1.
-    offset = 0.0 if norm == "fp32_one_plus_weight" else 1.0
-    return dict(
-        q=r(2, 5, 4, head_dim).transpose(1, 2), k=r(2, 5, 2, head_dim, scale=3.0).transpose(1, 2),
-        v=r(2, 5, 2, head_dim).transpose(1, 2),
-        q_weight=r(head_dim, scale=0.3) + offset if weighted else None,
-        k_weight=r(head_dim, scale=0.3) + offset if weighted else None,
-        cos=r(2, 5, head_dim), sin=r(2, 5, head_dim),
-        k_cache=r(2, 2, 12, head_dim), v_cache=r(2, 2, 12, head_dim),
-        cache_position=torch.tensor([3, -1, 7, 20, 0]), q_eps=1e-6, k_eps=1e-5, norm=norm,
-    )
+    return dict(random_op_args(dtype, head_dim, norm=norm, seed=seed), norm=norm)
 
 
 @pytest.mark.parametrize("head_dim", [64, 48])

@@ -12,6 +12,7 @@ import fusion_pass
 from fusion_pass.demo import apply_rotary_pos_emb
 from fusion_pass.kernels.qk_norm_rope_cache_reference import NORM_STYLES, qk_norm_rope_cache_reference
 from compile_capture import eager, fused_count, run_fused
+from fused_op_args import random_op_args
 from prologue_variants import PAGED_WRITES, DensePrologue, PagedPrologue, make_paged_inputs
 from qwen3_style import make_inputs
 
@@ -104,18 +105,7 @@ def test_qwen3_order_is_still_fused_without_rope_first():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm", NORM_STYLES)
 def test_op_rope_first_matches_the_reference_and_differs_from_norm_first(norm, dtype):
-    g = torch.Generator().manual_seed(1)
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-    weighted = norm != "no_weight"
-    args = dict(
-        q=r(2, 5, 4, 64).transpose(1, 2), k=r(2, 5, 2, 64, scale=3.0).transpose(1, 2), v=r(2, 5, 2, 64).transpose(1, 2),
-        q_weight=r(64, scale=0.3) + 1 if weighted else None, k_weight=r(64, scale=0.3) + 1 if weighted else None,
-        cos=r(2, 5, 64), sin=r(2, 5, 64), k_cache=r(2, 2, 12, 64), v_cache=r(2, 2, 12, 64),
-        cache_position=torch.arange(3, 8), q_eps=1e-6, k_eps=1e-5, norm=norm,
-    )
+    args = dict(random_op_args(dtype, 64, norm=norm, seed=1, cache_position=torch.arange(3, 8)), norm=norm)
 
     def clone(a):
         return {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
