@@ -12,7 +12,8 @@ Three measurements per callable, all on the same inputs:
 Callables: the forward op and its bare Triton launcher on F cases; the backward elementwise pass
 and the whole backward on B cases. Then forward layout experiments that explain the batch-8
 cases (cache length, cos/sin per batch row or shared, same bytes as one long sequence) and a
-small tile sweep. Writes DIR/diagnose-device-time.json and prints one line per measurement.
+small tile sweep; every variant of the forward op (norm forms, RoPE first, partial rotary,
+interleaved, paged) at one shape. Writes DIR/diagnose-device-time.json and prints one line per measurement.
 """
 
 from __future__ import annotations
@@ -148,6 +149,42 @@ def forward_section(results):
         torch.cuda.empty_cache()
 
 
+# Every variant of the forward op at one F shape, against the Qwen3 form (graph replay is the
+# figure to read: device time). Paged: the same tokens through a slot mapping.
+FORWARD_VARIANTS = {
+    "qwen3": {}, "fp32_weight": dict(norm="fp32_weight"), "fp32_one_plus_weight": dict(norm="fp32_one_plus_weight"),
+    "no_weight": dict(norm="no_weight"), "rope_first": dict(rope_first=True), "rotary_dim 64": dict(rotary_dim=64),
+    "interleaved": dict(interleaved=True), "interleaved rope_first": dict(interleaved=True, rope_first=True),
+}
+
+
+def variants_section(results):
+    S, C, B = 2048, 1024, 1
+    x = forward_inputs(S, C, B, cache_len=4096)
+    for label, variant in FORWARD_VARIANTS.items():
+        width = variant.get("rotary_dim", D)
+        qw, kw = (None, None) if variant.get("norm") == "no_weight" else (x["qw"], x["kw"])
+
+        def op(variant=variant, width=width, qw=qw, kw=kw):
+            return torch.ops.fusion_pass.qk_norm_rope_cache(
+                x["q"], x["k"], x["v"], qw, kw, x["cos"][..., :width], x["sin"][..., :width], x["kc"], x["vc"],
+                x["pos"], 1e-6, 1e-6, **variant)
+
+        measure(f"variant {label} ({S},{C},{B})", op, results, kind="forward_variant", S=S, C=C, B=B, variant=label)
+    key_cache = x["kc"][0].transpose(0, 1).contiguous().view(-1, 16, HKV, D)
+    value_cache = x["vc"][0].transpose(0, 1).contiguous().view(-1, 16, HKV, D)
+    flat = {n: x[n].transpose(0, 1).reshape(1, x[n].shape[1], B * S, D) for n in ("q", "k", "v")}
+
+    def paged():
+        return torch.ops.fusion_pass.qk_norm_rope_paged_cache(
+            flat["q"], flat["k"], flat["v"], x["qw"], x["kw"], x["cos"], x["sin"], key_cache, value_cache, x["pos"],
+            1e-6, 1e-6)
+
+    measure(f"variant paged ({S},{C},{B})", paged, results, kind="forward_variant", S=S, C=C, B=B, variant="paged")
+    del x
+    torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------------
 # Backward
 # ------------------------------------------------------------------------------------------
@@ -175,6 +212,19 @@ def backward_inputs(S, B):
     return t
 
 
+# Elementwise-pass variants timed against the default (v5 token rows unless changed).
+ELEMENTWISE_VARIANTS = {
+    "v3 head tiles": dict(ELEMENTWISE_TILING="head_tiles"),
+    "v5 stages 1": dict(ELEMENTWISE_TILING="token_rows", ROWS_STAGES=1),
+    "v5 stages 2": dict(ELEMENTWISE_TILING="token_rows", ROWS_STAGES=2),
+    "v5 stages 4": dict(ELEMENTWISE_TILING="token_rows", ROWS_STAGES=4),
+    "v5 8 tokens": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=8),
+    "v5 8 tokens 2/SM": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=8, ROWS_PROGRAMS_PER_SM=2),
+    "v5 2/SM": dict(ELEMENTWISE_TILING="token_rows", ROWS_PROGRAMS_PER_SM=2),
+    "v5 32 tokens 8 warps": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=32, ROWS_NUM_WARPS=8),
+}
+
+
 def backward_section(results):
     nq, nk = BHQ * D, BHKV * D
     for S, B in ((128, 1), (512, 1), (128, 16), (256, 16), (128, 64)):
@@ -195,15 +245,33 @@ def backward_section(results):
             return torch.mm(gq, t["W"]), torch.mm(gq.t(), t["hidden"])
 
         measure(f"bwd elementwise S={S} B={B}", elementwise, results, kind="bwd_elementwise", S=S, B=B, M=M)
-        # Launch variants of the same kernel (module tunables, read at every launch).
-        defaults = (bwd.ELEMENTWISE_NUM_WARPS, bwd.ELEMENTWISE_TILE_ELEMENTS)
-        for warps, tile in ((8, 4096), (4, 2048), (8, 2048)):
+        default_sums = [x.clone() for x in elementwise()]
+        default_qkv = gq.clone()
+        # Kernel and launch variants (module tunables, read at every launch); graph replay only.
+        for label, tunables in ELEMENTWISE_VARIANTS.items():
+            saved = {name: getattr(bwd, name) for name in tunables}
             try:
-                bwd.ELEMENTWISE_NUM_WARPS, bwd.ELEMENTWISE_TILE_ELEMENTS = warps, tile
-                measure(f"bwd elementwise {warps} warps tile {tile} S={S} B={B}", elementwise, results,
-                        kind="bwd_elementwise_variant", S=S, B=B, M=M, num_warps=warps, tile_elements=tile)
+                for name, value in tunables.items():
+                    setattr(bwd, name, value)
+                row = dict(name=f"bwd elementwise {label} S={S} B={B}", kind="bwd_elementwise_variant", S=S, B=B,
+                           M=M, variant=label, tunables=tunables)
+                try:
+                    gq.fill_(float("nan"))
+                    sums = elementwise()
+                    # Same grad_qkv bits as the default; the sums within a few final roundings.
+                    row["matches_default"] = bool(torch.equal(gq, default_qkv)) and all(
+                        torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-2) for a, b in zip(sums, default_sums))
+                    row["graph_us"] = graph_us(elementwise)
+                    log(f"{row['name']:58s} graph_us {row['graph_us']:8.1f}  matches default {row['matches_default']}")
+                except Exception as e:  # noqa: BLE001 - a diagnostic records failures and goes on
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    log(f"{row['name']:58s} failed: {row['error']}")
+                results.append(row)
             finally:
-                bwd.ELEMENTWISE_NUM_WARPS, bwd.ELEMENTWISE_TILE_ELEMENTS = defaults
+                for name, value in saved.items():
+                    setattr(bwd, name, value)
+        measure(f"bwd elementwise weights only S={S} B={B}", lambda: elementwise(True, False), results,
+                kind="bwd_elementwise_weights", S=S, B=B, M=M)
         measure(f"bwd elementwise no w/cos grads S={S} B={B}", lambda: elementwise(False, False), results,
                 kind="bwd_elementwise_plain", S=S, B=B, M=M)
         measure(f"bwd two cuBLAS GEMMs S={S} B={B}", gemms, results, kind="bwd_gemms", S=S, B=B, M=M)
@@ -215,7 +283,7 @@ def backward_section(results):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sections", default="forward,backward", help="forward, backward, or both")
+    parser.add_argument("--sections", default="forward,backward", help="comma-separated: forward, variants, backward")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("diagnose_device_time.py measures GPU time; no CUDA device here, nothing to do.")
@@ -225,6 +293,8 @@ def main() -> int:
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if "forward" in args.sections:
         forward_section(results)
+    if "variants" in args.sections:
+        variants_section(results)
     if "backward" in args.sections:
         backward_section(results)
     with open(os.path.join(args.out, "diagnose-device-time.json"), "w") as f:

@@ -9,7 +9,7 @@ The forward being differentiated (eager bf16, RoPE *before* the norm)::
 
 Two pieces, launched one after the other by the training-side op (kernels/qkv_rope_qk_norm_op.py):
 
-1. ``qk_norm_rope_backward_triton`` -- ONE memory pass (v2 tiling, see below). It reads the grad
+1. ``qk_norm_rope_backward_triton`` -- ONE memory pass (v5 tiling by default, see below). It reads the grad
    rows of all q/k/v heads, the pre-RoPE q/k rows (strided views of the forward's qkv), rstd and
    cos/sin, does all math in fp32 and writes d(qkv) once, directly into the caller's
    ``[M, qkv_size]`` GEMM layout (no transpose, no cat). Per head row (g = grad of y, R(.) = round
@@ -39,7 +39,25 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    element made the pass compute-bound; v2 an opaque inline-PTX ``cvt.rn`` for each: still
    ~3 instructions per rounding.)
 
-   Tiling (v2). 1-D grid ``[q programs | k programs | v programs]``. A tile is ``BH heads x BT
+   Tiling (v5, ``ELEMENTWISE_TILING = "token_rows"``, the default). Program (token tile, head
+   slice) owns ``ROWS_TOKENS`` (BT = 16) consecutive tokens (flattened t = b*S + s) and one of NS
+   slices of the q, k and v heads. It loads the tokens' cos/sin rows once, as four [BT, D/2]
+   fp32 tiles, then walks its heads one at a time (``_qk_head_rows``: [BT, D/2] halves, the loop
+   software-pipelined ``ROWS_STAGES`` deep by async copies) and adds each head's norm-weight and
+   cos/sin terms to per-thread [BT, D/2] accumulators. Nothing crosses threads inside the loop
+   but the per-row dot product (lanes of one warp); v3 reduced over the heads of every tile
+   across warps (38 barriers in the sm_90 build, 201-254 registers with both optional grads, 2
+   resident programs per SM: ncu on the H200 measured 224 us at M = 8192 vs 87 us without the
+   grads). At the end the weight accumulators are summed over tokens once per program (one
+   partial row per program and q/k, finished as below), and the cos/sin sums are complete when
+   NS = 1 and Bc = B: the kernel rounds and writes grad_cos / grad_sin itself (no workspace, no
+   finishing pass for them); otherwise fp32 rows go to an [NS, M, 2D] workspace that the
+   finishing launch sums over slices and batch. NS: doubled (up to Hq) until the grid reaches
+   ``ROWS_PROGRAMS_PER_SM * SMs`` programs, so large M keeps all 48 heads of a token in one
+   program and small M splits them to fill the GPU (M = 128: 8 token tiles x 32 slices).
+
+   Tiling (v2/v3, ``ELEMENTWISE_TILING = "head_tiles"``, kept for comparison). 1-D grid
+   ``[q programs | k programs | v programs]``. A tile is ``BH heads x BT
    tokens`` of one tensor, ~``ELEMENTWISE_TILE_ELEMENTS`` (4096) elements, held as two
    ``[BH, BT, D/2]`` fp32 half tiles (rotate_half is free; each half row is 128 B = 8 x 16-byte
    vectors for D = 128 bf16). Rule: ``BH = min(next_pow2(H), TILE / D_pad)`` (all heads of the
@@ -114,6 +132,18 @@ from .rounding import round_to
 # ----------------------------------------------------------------------------------------------
 # Tunables (explicit, documented above; the lead sets them from benchmarks/bench_backward.py).
 # ----------------------------------------------------------------------------------------------
+# Which elementwise kernel: "token_rows" (v5: a program owns the heads of its tokens),
+# "head_tiles" (v3: tiles of heads x tokens, one reduction over heads per tile), or "auto":
+# v3 below ROWS_MIN_M tokens, v5 from there (H200, 2026-11-29, graph replay, both optional
+# grads: M = 128 v3 11.2 vs v5 31.0 us; M = 512 21.2 vs 17.1; M = 8192 234.1 vs 99.0).
+ELEMENTWISE_TILING = "auto"
+ROWS_MIN_M = 512
+ROWS_TOKENS = 16  # v5: tokens per program (BT)
+ROWS_NUM_WARPS = 4
+# v5: software-pipelining depth of the loop over heads (async copies). Measured at M = 8192:
+# 1 stage 128.9 us, 2: 138.3, 3: 102.0, 4: 99.0 (4 also best at M = 512, 2048, 4096).
+ROWS_STAGES = 4
+ROWS_PROGRAMS_PER_SM = 1  # v5: head slices are added until the grid has this many programs per SM
 ELEMENTWISE_PROGRAMS_PER_SM = 12  # program-count target of the elementwise pass, per SM (~4 waves)
 ELEMENTWISE_MAX_TILES_PER_PROGRAM = 4  # cap on the token tiles one elementwise program walks
 ELEMENTWISE_TILE_ELEMENTS = 4096  # elements (heads x tokens x D) per elementwise tile
@@ -476,6 +506,180 @@ def _qk_norm_rope_bwd_kernel(
 
 
 @triton.jit
+def _qk_head_rows(
+    g_ptr, x_ptr, r_ptr, o_ptr,  # this head's rows: grad [.., D], pre-RoPE x [.., D], rstd, d(proj)
+    g_rows, x_rows, r_rows, o_rows,  # [BT] int64 row offsets of the tile's tokens
+    d, m2, tm,
+    c1, c2, s1, s2, w1, w2,  # [BT, BLOCK_HALF] fp32 tables, [BLOCK_HALF] fp32 weight halves
+    pw1, pw2, gc1, gc2, gs1, gs2,  # [BT, BLOCK_HALF] fp32 accumulators (returned updated)
+    D: tl.constexpr, HALF: tl.constexpr,
+    ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+):
+    """Backward of ``w * rmsnorm(rope(x))`` for one head on a tile of BT tokens (two [BT, D/2]
+    halves): stores d(proj) and adds this head's terms of the norm-weight and cos/sin grads to
+    the accumulators, per token and feature (no reduction across threads)."""
+    g_off = g_rows[:, None] + d[None, :]
+    x_off = x_rows[:, None] + d[None, :]
+    g1 = tl.load(g_ptr + g_off, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    g2 = tl.load(g_ptr + g_off + HALF, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    q1 = tl.load(x_ptr + x_off, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    q2 = tl.load(x_ptr + x_off + HALF, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    r = tl.load(r_ptr + r_rows, mask=tm, other=0.0).to(tl.float32)[:, None]
+
+    x1 = _rnd(_rnd(q1 * c1, ROUND, INTERP) - _rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
+    x2 = _rnd(_rnd(q2 * c2, ROUND, INTERP) + _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+    gn1 = _rnd(g1 * w1[None, :], ROUND, INTERP)
+    gn2 = _rnd(g2 * w2[None, :], ROUND, INTERP)
+    dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BT]: across the lanes of one warp
+    coef = r * r * r * (dot / D)[:, None]
+    dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
+    dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
+    if NEED_W:
+        pw1 += _rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP)
+        pw2 += _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP)
+    if NEED_CS:
+        gc1 += _rnd(dx1 * q1, ROUND, INTERP)
+        gc2 += _rnd(dx2 * q2, ROUND, INTERP)
+        gs1 += _rnd(dx1 * q2, ROUND, INTERP)
+        gs2 += _rnd(dx2 * q1, ROUND, INTERP)
+    dq1 = _rnd(_rnd(dx1 * c1, ROUND, INTERP) + _rnd(dx2 * s2, ROUND, INTERP), ROUND, INTERP)
+    dq2 = _rnd(_rnd(dx2 * c2, ROUND, INTERP) - _rnd(dx1 * s1, ROUND, INTERP), ROUND, INTERP)
+    o_off = o_rows[:, None] + d[None, :]
+    tl.store(o_ptr + o_off, dq1, mask=m2)
+    tl.store(o_ptr + o_off + HALF, dq2, mask=m2)
+    return pw1, pw2, gc1, gc2, gs1, gs2
+
+
+@triton.jit
+def _heads_of_slice(
+    g_ptr, g_sb, g_sh, g_ss,  # grad [B, H, S, D]
+    x_ptr, x_sb, x_ss, x_sh,  # pre-RoPE [B, S, H, D]
+    r_ptr, r_sb, r_sh, r_ss,  # rstd [B, H, S]
+    o_ptr, o_sb, o_ss,  # d(proj) [B, S, H*D]
+    w_ptr, gw_row_ptr,  # norm weight [D]; this program's fp32 weight-grad partial row [D]
+    h_lo, h_hi, b, s, d, dm, m2, tm,
+    c1, c2, s1, s2, gc1, gc2, gs1, gs2,
+    D: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Heads [h_lo, h_hi) of one tensor (q or k) on the program's tokens: the loop over heads,
+    software-pipelined STAGES deep, then the weight-grad partial row (summed over the tokens).
+    Returns the cos/sin accumulators with these heads' terms added."""
+    w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    pw1 = tl.full([BT, BLOCK_HALF], 0.0, tl.float32)
+    pw2 = tl.full([BT, BLOCK_HALF], 0.0, tl.float32)
+    g_tok = b * g_sb + s * g_ss
+    x_tok = b * x_sb + s * x_ss
+    r_tok = b * r_sb + s * r_ss
+    o_tok = b * o_sb + s * o_ss
+    for h in tl.range(h_lo, h_hi, num_stages=STAGES):
+        hh = tl.cast(h, tl.int64)
+        pw1, pw2, gc1, gc2, gs1, gs2 = _qk_head_rows(
+            g_ptr, x_ptr, r_ptr, o_ptr, g_tok + hh * g_sh, x_tok + hh * x_sh, r_tok + hh * r_sh, o_tok + hh * D,
+            d, m2, tm, c1, c2, s1, s2, w1, w2, pw1, pw2, gc1, gc2, gs1, gs2, D, HALF, ROUND, INTERP, NEED_W, NEED_CS)
+    if NEED_W:
+        tl.store(gw_row_ptr + d, _sum(pw1, 0), mask=dm)
+        tl.store(gw_row_ptr + HALF + d, _sum(pw2, 0), mask=dm)
+    return gc1, gc2, gs1, gs2
+
+
+@triton.jit
+def _qk_norm_rope_bwd_rows_kernel(
+    gq_ptr, gq_sb, gq_sh, gq_ss,  # grad_q [B, Hq, S, D]
+    gk_ptr, gk_sb, gk_sh, gk_ss,  # grad_k [B, Hkv, S, D]
+    gv_ptr, gv_sb, gv_sh, gv_ss,  # grad_v [B, Hkv, S, D]
+    q_ptr, q_sb, q_ss, q_sh,  # q [B, S, Hq, D] (pre-RoPE, strided view of qkv)
+    k_ptr, k_sb, k_ss, k_sh,  # k [B, S, Hkv, D]
+    rq_ptr, rq_sb, rq_sh, rq_ss,  # q_rstd [B, Hq, S]
+    rk_ptr, rk_sb, rk_sh, rk_ss,  # k_rstd [B, Hkv, S]
+    cos_ptr, cos_sb, cos_ss,  # cos [Bc, S, D] (cos_sb = 0 when Bc == 1)
+    sin_ptr, sin_sb, sin_ss,
+    wq_ptr, wk_ptr,  # norm weights [D], contiguous
+    dq_ptr, dq_sb, dq_ss,  # outputs: d(q_proj) [B, S, Hq*D], heads contiguous
+    dk_ptr, dk_sb, dk_ss,
+    dv_ptr, dv_sb, dv_ss,
+    gw_ws_ptr,  # [2 * P, D] fp32 norm-weight partials: q rows [0, P), k rows [P, 2P) (NEED_W)
+    cs_ws_ptr,  # [NS, M, 2*D] fp32 cos/sin partials per (head slice, token) (NEED_CS, not CS_DIRECT)
+    gc_ptr, gs_ptr,  # grad_cos / grad_sin [B, S, D] contiguous (NEED_CS and CS_DIRECT)
+    M, S, P,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
+    ROUND: tl.constexpr, CS_ROUND: tl.constexpr, INTERP: tl.constexpr,
+    NEED_W: tl.constexpr, NEED_CS: tl.constexpr, CS_DIRECT: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Token-rows tiling (v5). Program (token tile, head slice) owns BT tokens and slice ``NS``-th
+    of the q, k and v heads; it loads the tokens' cos/sin rows once, walks its heads one by one
+    and keeps the norm-weight and cos/sin grads as per-thread sums over heads, so nothing crosses
+    threads but the per-row dot product (within a warp) and one final reduction over tokens."""
+    pid = tl.program_id(0)
+    tile = pid // NS
+    slice_ = pid - tile * NS
+    t = tile.to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    tm = t < M
+    if BLOCK_HALF == HALF:
+        dm = d < BLOCK_HALF  # all true, folded
+    else:
+        dm = d < HALF
+    m2 = tm[:, None] & dm[None, :]
+    b = t // S
+    s = t - b * S
+
+    c_row = (b * cos_sb + s * cos_ss)[:, None] + d[None, :]
+    s_row = (b * sin_sb + s * sin_ss)[:, None] + d[None, :]
+    c1 = tl.load(cos_ptr + c_row, mask=m2, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_row + HALF, mask=m2, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + s_row, mask=m2, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + s_row + HALF, mask=m2, other=0.0).to(tl.float32)
+    zero = tl.full([BT, BLOCK_HALF], 0.0, tl.float32)
+    gc1 = zero
+    gc2 = zero
+    gs1 = zero
+    gs2 = zero
+
+    # q heads of this slice, then k's (each writes its norm-weight partial row)
+    CQ: tl.constexpr = (HQ + NS - 1) // NS
+    gc1, gc2, gs1, gs2 = _heads_of_slice(
+        gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss, dq_ptr, dq_sb, dq_ss,
+        wq_ptr, gw_ws_ptr + pid.to(tl.int64) * D, slice_ * CQ, tl.minimum(slice_ * CQ + CQ, HQ),
+        b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
+        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES)
+    CK: tl.constexpr = (HKV + NS - 1) // NS
+    gc1, gc2, gs1, gs2 = _heads_of_slice(
+        gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss, dk_ptr, dk_sb, dk_ss,
+        wk_ptr, gw_ws_ptr + (P + pid).to(tl.int64) * D, slice_ * CK, tl.minimum(slice_ * CK + CK, HKV),
+        b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
+        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES)
+
+    if NEED_CS:
+        # grad_cos = sum of R(dx*q); grad_sin = sum of R(dx*rotate_half(q)) = [-gs1, gs2].
+        if CS_DIRECT:  # one slice, one cos row per token: the sums are complete, round once
+            out = t[:, None] * D + d[None, :]
+            tl.store(gc_ptr + out, _round(gc1, CS_ROUND), mask=m2)
+            tl.store(gc_ptr + out + HALF, _round(gc2, CS_ROUND), mask=m2)
+            tl.store(gs_ptr + out, _round(-gs1, CS_ROUND), mask=m2)
+            tl.store(gs_ptr + out + HALF, _round(gs2, CS_ROUND), mask=m2)
+        else:
+            cs_row = cs_ws_ptr + (slice_.to(tl.int64) * M + t)[:, None] * (2 * D) + d[None, :]
+            tl.store(cs_row, gc1, mask=m2)
+            tl.store(cs_row + HALF, gc2, mask=m2)
+            tl.store(cs_row + D, -gs1, mask=m2)
+            tl.store(cs_row + (D + HALF), gs2, mask=m2)
+
+    # v heads of this slice: a plain copy from [B, Hkv, S, D] into the projection layout.
+    dv = tl.arange(0, BLOCK_D)
+    mv = tm[:, None] & (dv < D)[None, :]
+    v_tok = b * gv_sb + s * gv_ss
+    ov_tok = b * dv_sb + s * dv_ss
+    for h in tl.range(slice_ * CK, tl.minimum(slice_ * CK + CK, HKV), num_stages=STAGES):
+        hh = tl.cast(h, tl.int64)
+        val = tl.load(gv_ptr + (v_tok + hh * gv_sh)[:, None] + dv[None, :], mask=mv, eviction_policy="evict_first")
+        tl.store(dv_ptr + (ov_tok + hh * D)[:, None] + dv[None, :], val, mask=mv)
+
+
+@triton.jit
 def _finish_partials_kernel(
     gw_ws_ptr,  # [PA + PB, D] fp32 norm-weight partial rows (NEED_W)
     gqw_ptr, gkw_ptr,  # rows [0, PA) -> grad_q_weight, rows [PA, PA + PB) -> grad_k_weight
@@ -644,6 +848,54 @@ def _elementwise_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w
     )
 
 
+
+@dataclasses.dataclass(frozen=True)
+class _RowsPlan:
+    """Grid of one token-rows elementwise launch (v5) and its finishing launch."""
+
+    BLOCK_HALF: int
+    BLOCK_D: int
+    BT: int  # tokens per program
+    NS: int  # head slices: programs per token tile
+    programs: int
+    cs_direct: bool  # grad_cos / grad_sin written by the elementwise kernel itself
+    BLOCK_P: int
+    BLOCK_L: int
+    w_programs: int
+    BLOCK_2D: int
+    BLOCK_T: int
+    cs_programs: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _rows_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w: bool, need_cs: bool,
+               target_programs: int, tokens: int) -> _RowsPlan:
+    """BT = ``tokens`` (fewer for tiny M); head slices doubled (up to Hq) until the grid reaches
+    ``target_programs``: large M keeps every head of a token in one program (cos/sin grads
+    complete in-program), small M splits the heads to fill the GPU. The finishing launch's
+    cos/sin tile (BLOCK_T tokens) gives it about 2 * target_programs programs."""
+    M = B * S
+    bt = max(1, min(tokens, _next_pow2(M)))
+    tiles = _cdiv(M, bt)
+    ns = 1
+    while tiles * ns < target_programs and ns < HQ:
+        ns *= 2
+    programs = tiles * ns
+    cs_direct = ns == 1 and Bc == B
+    block_d = _next_pow2(D)
+    block_p = min(1024, _next_pow2(programs))
+    block_2d = _next_pow2(2 * D)
+    # Finishing cos/sin sums: NS * NB partial rows per output row; tokens per program chosen for
+    # about 2 programs per target slot (v3's fixed 16 left M = 512 with 32 programs of 128 KB).
+    block_t = max(1, min(_next_pow2(_cdiv(Bc * S, 2 * target_programs)), 4096 // block_2d))
+    block_l = max(8, min(block_d, 8192 // block_p))
+    return _RowsPlan(
+        BLOCK_HALF=_next_pow2(D // 2), BLOCK_D=block_d, BT=bt, NS=ns, programs=programs, cs_direct=cs_direct,
+        BLOCK_P=block_p, BLOCK_L=block_l, w_programs=2 * _cdiv(D, block_l) if need_w else 0,
+        BLOCK_2D=block_2d, BLOCK_T=block_t, cs_programs=_cdiv(Bc * S, block_t) if need_cs and not cs_direct else 0,
+    )
+
+
 def qk_norm_rope_backward_triton(
     grad_q: torch.Tensor,
     grad_k: torch.Tensor,
@@ -728,15 +980,106 @@ def qk_norm_rope_backward_triton(
         gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
         return gw[0], gw[1], gcs[0], gcs[1]
 
-    plan = _elementwise_plan(B, S, HQ, HKV, D, Bc, need_weight_grad, need_cos_sin_grad,
+    args = (grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight, grad_q_proj, grad_k_proj,
+            grad_v_proj, need_weight_grad, need_cos_sin_grad, num_programs,
+            (dq_sb, dq_ss), (dk_sb, dk_ss), (dv_sb, dv_ss), rq_s, rk_s, cos_sb, sin_sb)
+    tiling = elementwise_tiling(M)
+    if tiling == "token_rows":
+        return _launch_token_rows(*args)
+    return _launch_head_tiles(*args)
+
+
+def elementwise_tiling(M: int) -> str:
+    """The elementwise kernel used for M = B*S tokens: ``ELEMENTWISE_TILING``, "auto" resolved."""
+    if ELEMENTWISE_TILING == "auto":
+        return "token_rows" if M >= ROWS_MIN_M else "head_tiles"
+    if ELEMENTWISE_TILING in ("token_rows", "head_tiles"):
+        return ELEMENTWISE_TILING
+    raise ValueError(f"ELEMENTWISE_TILING: expected 'auto', 'token_rows' or 'head_tiles', got {ELEMENTWISE_TILING!r}")
+
+
+def _finish(plan_cs_programs, plan_w_programs, gw_ws, cs_ws, PA, PB, NHB, need_w, need_cs, q_weight, k_weight,
+            cos, sin, B, S, M, D, BLOCK_P, BLOCK_L, BLOCK_T, BLOCK_2D, grad_cos=None, grad_sin=None):
+    """Allocate the requested grads and run the finishing sums (one launch; none when nothing is
+    left to sum). grad_cos / grad_sin passed in: already written by the elementwise kernel."""
+    dev, Bc = cos.device, cos.shape[0]
+    grad_qw = grad_kw = gw_ws  # placeholders for unused pointers (constexpr branches)
+    if need_w:
+        grad_qw = torch.empty((D,), device=dev, dtype=q_weight.dtype)
+        grad_kw = torch.empty((D,), device=dev, dtype=k_weight.dtype)
+    gc = grad_cos if grad_cos is not None else cs_ws
+    gs = grad_sin if grad_sin is not None else cs_ws
+    if need_cs and grad_cos is None:
+        gc = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
+        gs = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
+    if plan_cs_programs + plan_w_programs:
+        _finish_partials_kernel[(plan_cs_programs + plan_w_programs,)](
+            gw_ws, grad_qw, grad_kw, cs_ws, gc, gs,
+            PA, PB, Bc * S, M, S, NHB, B if Bc == 1 else 1, plan_cs_programs,
+            D=D, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_2D=BLOCK_2D,
+            W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype],
+            NEED_W=need_w, NEED_CS=need_cs and plan_cs_programs > 0, num_warps=4,
+        )
+    return (grad_qw if need_w else None, grad_kw if need_w else None,
+            gc if need_cs else None, gs if need_cs else None)
+
+
+def _launch_token_rows(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight,
+                       grad_q_proj, grad_k_proj, grad_v_proj, need_w, need_cs, num_programs,
+                       dq_s, dk_s, dv_s, rq_s, rk_s, cos_sb, sin_sb):
+    B, HQ, S, D = grad_q.shape
+    HKV, M, Bc, dev = grad_k.shape[1], B * S, cos.shape[0], q.device
+    plan = _rows_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
+                      ROWS_PROGRAMS_PER_SM * _sms_of(q) if num_programs is None else num_programs,
+                      ROWS_TOKENS)
+    gw_ws = torch.empty((2 * plan.programs, D) if need_w else (1,), device=dev, dtype=torch.float32)
+    cs_ws = torch.empty((plan.NS, M, 2 * D) if need_cs and not plan.cs_direct else (1,), device=dev,
+                        dtype=torch.float32)
+    grad_cos = grad_sin = None
+    if need_cs and plan.cs_direct:
+        grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
+        grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
+    _qk_norm_rope_bwd_rows_kernel[(plan.programs,)](
+        grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
+        grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
+        grad_v, grad_v.stride(0), grad_v.stride(1), grad_v.stride(2),
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k, k.stride(0), k.stride(1), k.stride(2),
+        q_rstd, *rq_s,
+        k_rstd, *rk_s,
+        cos, cos_sb, cos.stride(1),
+        sin, sin_sb, sin.stride(1),
+        q_weight, k_weight,
+        grad_q_proj, *dq_s,
+        grad_k_proj, *dk_s,
+        grad_v_proj, *dv_s,
+        gw_ws, cs_ws,
+        gw_ws if grad_cos is None else grad_cos, gw_ws if grad_sin is None else grad_sin,
+        M, S, plan.programs,
+        HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BT=plan.BT, NS=plan.NS,
+        ROUND=_ROUND_MODE[q.dtype], CS_ROUND=_ROUND_MODE[cos.dtype], INTERP=not q.is_cuda,
+        NEED_W=need_w, NEED_CS=need_cs, CS_DIRECT=plan.cs_direct, STAGES=ROWS_STAGES,
+        num_warps=ROWS_NUM_WARPS,
+        **COMPILE_OPTIONS,
+    )
+    if not (need_w or need_cs):
+        return None, None, None, None
+    return _finish(plan.cs_programs, plan.w_programs, gw_ws, cs_ws, plan.programs, plan.programs, plan.NS,
+                   need_w, need_cs, q_weight, k_weight, cos, sin, B, S, M, D, plan.BLOCK_P, plan.BLOCK_L,
+                   plan.BLOCK_T, plan.BLOCK_2D, grad_cos, grad_sin)
+
+
+def _launch_head_tiles(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight,
+                       grad_q_proj, grad_k_proj, grad_v_proj, need_w, need_cs, num_programs,
+                       dq_s, dk_s, dv_s, rq_s, rk_s, cos_sb, sin_sb):
+    B, HQ, S, D = grad_q.shape
+    HKV, M, Bc, dev = grad_k.shape[1], B * S, cos.shape[0], q.device
+    plan = _elementwise_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
                              ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q), num_programs,
                              ELEMENTWISE_TILE_ELEMENTS, ELEMENTWISE_MAX_TILES_PER_PROGRAM)
     PQ, PK, nqb, nkb = plan.PQ, plan.PK, plan.nqb, plan.nkb
-    gw_ws = torch.empty((PQ + PK, D) if need_weight_grad else (1,), device=dev, dtype=torch.float32)
-    cs_ws = torch.empty((nqb + nkb, M, 2 * D) if need_cos_sin_grad else (1,), device=dev,
-                        dtype=torch.float32)
-    interp = not q.is_cuda
-
+    gw_ws = torch.empty((PQ + PK, D) if need_w else (1,), device=dev, dtype=torch.float32)
+    cs_ws = torch.empty((nqb + nkb, M, 2 * D) if need_cs else (1,), device=dev, dtype=torch.float32)
     _qk_norm_rope_bwd_kernel[(plan.programs,)](
         grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
         grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
@@ -748,40 +1091,22 @@ def qk_norm_rope_backward_triton(
         cos, cos_sb, cos.stride(1),
         sin, sin_sb, sin.stride(1),
         q_weight, k_weight,
-        grad_q_proj, dq_sb, dq_ss,
-        grad_k_proj, dk_sb, dk_ss,
-        grad_v_proj, dv_sb, dv_ss,
+        grad_q_proj, *dq_s,
+        grad_k_proj, *dk_s,
+        grad_v_proj, *dv_s,
         gw_ws, cs_ws,
         M, S, plan.GQ, plan.GK, plan.GK, plan.ntt_q, plan.ntt_k,
         HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D,
         BHQ=plan.BHQ, BTQ=plan.BTQ, BHK=plan.BHK, BTK=plan.BTK, BHV=plan.BHK, BTV=plan.BTK,
-        ROUND=_ROUND_MODE[dtype], INTERP=interp, NEED_W=need_weight_grad, NEED_CS=need_cos_sin_grad,
+        ROUND=_ROUND_MODE[q.dtype], INTERP=not q.is_cuda, NEED_W=need_w, NEED_CS=need_cs,
         num_warps=ELEMENTWISE_NUM_WARPS,
         **COMPILE_OPTIONS,
     )
-
-    grad_qw = grad_kw = grad_cos = grad_sin = None
-    if need_weight_grad or need_cos_sin_grad:
-        grad_qw = grad_kw = gw_ws  # placeholders for unused pointers (constexpr branches)
-        grad_cos = grad_sin = cs_ws
-        if need_weight_grad:
-            grad_qw = torch.empty((D,), device=dev, dtype=q_weight.dtype)
-            grad_kw = torch.empty((D,), device=dev, dtype=k_weight.dtype)
-        if need_cos_sin_grad:
-            grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
-            grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
-        _finish_partials_kernel[(plan.cs_programs + plan.w_programs,)](
-            gw_ws, grad_qw, grad_kw, cs_ws, grad_cos, grad_sin,
-            PQ, PK, Bc * S, M, S, nqb + nkb, B if Bc == 1 else 1, plan.cs_programs,
-            D=D, BLOCK_P=plan.BLOCK_P, BLOCK_L=plan.BLOCK_L, BLOCK_T=plan.BLOCK_T, BLOCK_2D=plan.BLOCK_2D,
-            W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype],
-            NEED_W=need_weight_grad, NEED_CS=need_cos_sin_grad, num_warps=4,
-        )
-        if not need_weight_grad:
-            grad_qw = grad_kw = None
-        if not need_cos_sin_grad:
-            grad_cos = grad_sin = None
-    return grad_qw, grad_kw, grad_cos, grad_sin
+    if not (need_w or need_cs):
+        return None, None, None, None
+    return _finish(plan.cs_programs, plan.w_programs, gw_ws, cs_ws, PQ, PK, nqb + nkb, need_w, need_cs,
+                   q_weight, k_weight, cos, sin, B, S, M, D, plan.BLOCK_P, plan.BLOCK_L, plan.BLOCK_T,
+                   plan.BLOCK_2D)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from fusion_pass.kernels import qkv_rope_qk_norm_backward_triton as backward
 TARGET = GPUTarget("cuda", 90, 32)
 # Scalars that must not be assumed divisible by 16 (the launcher passes them unaligned too).
 UNALIGNED = {"q_eps", "k_eps", "attention_scaling", "seq_len", "GQ", "GK", "GV", "NTT_Q", "NTT_KV",
-             "stride_cache_position", "stride_pos_s", "CS_PROGRAMS", "PA", "PB", "NHB", "NB"}
+             "stride_cache_position", "stride_pos_s", "CS_PROGRAMS", "PA", "PB", "NHB", "NB", "P"}
 
 
 def compile_variant(fn, pointer_types: dict, constexprs: dict, float_args: set, options: dict) -> dict:
@@ -105,6 +105,17 @@ def variants() -> dict:
         out[f"backward_elementwise_bf16_d128{'_with_grads' if need else ''}"] = (
             backward._qk_norm_rope_bwd_kernel, bwd_pointers, constexprs, set(),
             dict(num_warps=backward.ELEMENTWISE_NUM_WARPS, **backward.COMPILE_OPTIONS))
+    # v5 token rows: with both optional grads and cos/sin written directly (suite B at large M),
+    # through the workspace (head slices: small M), and with neither.
+    rows_pointers = dict(bwd_pointers, gc_ptr="*bf16", gs_ptr="*bf16")
+    for suffix, need, direct, slices in (("", False, False, 1), ("_with_grads", True, True, 1),
+                                         ("_with_grads_sliced", True, False, 4)):
+        constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BT=backward.ROWS_TOKENS, NS=slices,
+                          ROUND=1, CS_ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need, CS_DIRECT=direct,
+                          STAGES=backward.ROWS_STAGES)
+        out[f"backward_rows_bf16_d128{suffix}"] = (
+            backward._qk_norm_rope_bwd_rows_kernel, rows_pointers, constexprs, set(),
+            dict(num_warps=backward.ROWS_NUM_WARPS, **backward.COMPILE_OPTIONS))
     for need_w, need_cs in ((True, True), (True, False), (False, True)):
         constexprs = dict(D=128, BLOCK_P=256, BLOCK_L=32, BLOCK_T=16, BLOCK_2D=256, W_ROUND=1, CS_ROUND=1,
                           NEED_W=need_w, NEED_CS=need_cs)
