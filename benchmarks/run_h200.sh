@@ -35,6 +35,70 @@ run_tests_kernels() {
     tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py 2>&1 | tee "$out/gpu-tests.log" | tail -15
 }
 case "$stage" in
+  gpu-models) # Every GPU whole-model test (incl. decode under CUDA graphs, in its own process).
+       timeout 560 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_qk_norm_rope_cache_model.py \
+         tests/test_qkv_rope_qk_norm_numerics.py 2>&1 | tee "$out/gpu-model-tests.log" | tail -6 ;;
+  cg5) # Session 4, call 5: the whole-model CUDA-graph test with static shapes and step marks.
+       timeout 150 python3 -X faulthandler -m pytest -q -p no:cacheprovider -rs -k "whole_pass and reduce" \
+         tests/test_qk_norm_rope_cache_model.py 2>&1 | tee "$out/cg5.log" | tail -2 ;;
+  cg4) # Session 4, call 4: the whole-model CUDA-graph test with Inductor's static launcher off
+       # (its crash is stock Inductor's), and the stock repro with the launcher off.
+       log="$out/cg4.log"
+       timeout 200 python3 -X faulthandler -m pytest -q -p no:cacheprovider -rs -k whole_pass \
+         tests/test_qk_norm_rope_cache_model.py 2>&1 | tee -a "$log" | tail -2
+       echo "== stock, static launcher off" | tee -a "$log"
+       TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 timeout 110 python3 -X faulthandler \
+         benchmarks/diagnose_cudagraph_crash.py --stock 2>&1 | tee -a "$log" | grep -E "^ok|^compiling|Fatal" ;;
+  final4) # Session 4, call 3: backward GPU tests + suite B with the v3/v5 rule, the training step,
+       # and the reduce-overhead crash outside pytest (with the pass, then stock).
+       log="$out/final4.log"
+       timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/test_qkv_rope_qk_norm_backward_kernel.py \
+         2>&1 | tee -a "$log" | tail -2
+       timeout 150 python3 benchmarks/bench_backward.py --out "$out" \
+         --stock-from benchmarks/results/2026-11-29-h200-backward-run2.json 2>&1 | tee -a "$log" | tail -2
+       rm -f "$out"/*.partial.json
+       timeout 100 python3 benchmarks/bench_end_to_end.py --out "$out/e2e" --cases hunyuan_train_B2_S2048 2>&1 \
+         | tee -a "$log" | grep -E "=>|ms/step"
+       rm -f "$out"/e2e/*.png
+       for variant in "" "--stock"; do
+         echo "== diagnose_cudagraph_crash.py $variant" | tee -a "$log"
+         timeout 110 python3 -X faulthandler benchmarks/diagnose_cudagraph_crash.py $variant > /tmp/crash.txt 2>&1
+         echo "rc $?" | tee -a "$log"; cat /tmp/crash.txt >> "$log"
+         grep -E "^ok|^compiling|Fatal Python|Segmentation" /tmp/crash.txt
+         grep -A14 "Fatal Python error" /tmp/crash.txt | grep "File" | head -14
+       done ;;
+  bwd5) # Session 4: backward kernel v5 (token rows): GPU tests, variants, suite B; interleaved RoPE v2.
+       # One log (the device tool returns at most 8 files).
+       log="$out/bwd5.log"
+       timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/test_qk_norm_rope_cache_variants_gpu.py \
+         tests/test_qk_norm_rope_cache_kernel.py 2>&1 | tee -a "$log" | tail -2
+       timeout 60 python3 benchmarks/diagnose_device_time.py --out "$out/fwd" --sections variants 2>&1 \
+         | tee -a "$log" | grep -E "qwen3|interleaved|paged"
+       timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_qkv_rope_qk_norm_backward_kernel.py \
+         2>&1 | tee -a "$log" | tail -3
+       timeout 140 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_qkv_rope_qk_norm_numerics.py \
+         2>&1 | tee -a "$log" | tail -2
+       timeout 170 python3 benchmarks/diagnose_device_time.py --out "$out" --sections backward 2>&1 | tee -a "$log" \
+         | grep -E "elementwise S=|v3 head|weights only|no w/cos|whole"
+       timeout 150 python3 benchmarks/bench_backward.py --out "$out" \
+         --stock-from benchmarks/results/2026-11-29-h200-backward-run2.json 2>&1 | tee -a "$log" | tail -3 ;;
+  check4) # Session 4, call 1: GPU tests of every forward variant, the reduce-overhead test alone,
+       # a profile of the backward elementwise pass, forward variant timings, the training step.
+       timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_qk_norm_rope_cache_variants_gpu.py \
+         2>&1 | tee "$out/gpu-variant-tests.log" | grep -v "^$" | tail -8
+       timeout 170 python3 -X faulthandler -m pytest -q -p no:cacheprovider -rs -k "reduce" \
+         tests/test_qk_norm_rope_cache_model.py 2>&1 | tee "$out/reduce-overhead.log" | tail -6
+       echo "reduce-overhead alone: rc ${PIPESTATUS[0]}" | tee -a "$out/reduce-overhead.log"
+       for grads in both none; do
+         timeout 60 ncu --clock-control none --kernel-name regex:_qk_norm_rope_bwd --launch-skip 1 --launch-count 1 \
+           --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+           --section SchedulerStats --section MemoryWorkloadAnalysis \
+           python3 benchmarks/profile_backward_elementwise.py --S 128 --B 64 --grads $grads > "$out/ncu-bwd-$grads.txt" 2>&1
+         echo "ncu $grads: rc $?"; grep -E "Duration|Registers|Achieved Occupancy|Stall|Warp Cycles Per Issued" "$out/ncu-bwd-$grads.txt" | head -12
+       done
+       timeout 90 python3 benchmarks/diagnose_device_time.py --out "$out" --sections variants 2>&1 | tee "$out/diagnose.log" | tail -10
+       timeout 150 python3 benchmarks/bench_end_to_end.py --out "$out" --cases hunyuan_train_B2_S2048 2>&1 \
+         | tee "$out/end-to-end-train.log" | grep -E "=>|ms/step|fused ops" ;;
   gpu-b) TESTS_TIMEOUT=300 run_tests_all
        timeout 280 python3 benchmarks/bench_backward.py --out "$out" --compile-budget-s 70 2>&1 | tee "$out/backward.log" | tail -25 ;;
   gpu-f) TESTS_TIMEOUT=170 run_tests_kernels
