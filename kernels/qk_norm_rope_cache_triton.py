@@ -442,7 +442,8 @@ def _qk_norm_rope_cache_kernel(
         offs_1, offs_2, rotated = _feature_offsets(offs_d, HEAD_DIM, ROTARY_DIM)
         rot_mask = d_mask & rotated  # the lanes whose cos/sin exist
     elif INTERLEAVED:
-        # A first, simple version: stride-2 accesses (no 16-byte vectors along D).
+        # The even and odd features of pair i. Only the weights are addressed this way; the rows
+        # are loaded whole and split (``_load_pair_tiles``).
         offs_1 = offs_d * 2
         offs_2 = offs_d * 2 + 1
         rotated = d_mask  # unused

@@ -870,15 +870,17 @@ class _RowsPlan:
 @functools.lru_cache(maxsize=4096)
 def _rows_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w: bool, need_cs: bool,
                target_programs: int, tokens: int) -> _RowsPlan:
-    """BT = ``tokens`` (fewer for tiny M); head slices doubled (up to Hq) until the grid reaches
+    """BT = ``tokens`` (fewer for tiny M); head slices doubled (at most Hq) until the grid reaches
     ``target_programs``: large M keeps every head of a token in one program (cos/sin grads
     complete in-program), small M splits the heads to fill the GPU. The finishing launch's
     cos/sin tile (BLOCK_T tokens) gives it about 2 * target_programs programs."""
+    if tokens < 1 or tokens & (tokens - 1):
+        raise ValueError(f"ROWS_TOKENS: expected a power of two (a tl.arange length), got {tokens}")
     M = B * S
     bt = max(1, min(tokens, _next_pow2(M)))
     tiles = _cdiv(M, bt)
     ns = 1
-    while tiles * ns < target_programs and ns < HQ:
+    while tiles * ns < target_programs and 2 * ns <= HQ:  # every slice keeps >= 1 q head
         ns *= 2
     programs = tiles * ns
     cs_direct = ns == 1 and Bc == B
@@ -927,9 +929,11 @@ def qk_norm_rope_backward_triton(
         grad_q_proj: [B, S, Hq*D] (or [B*S, Hq*D]); grad_k_proj, grad_v_proj: [B, S, Hkv*D]:
             preallocated outputs, written in full (typically views of one [M, qkv_size] buffer).
         need_weight_grad, need_cos_sin_grad: compute (and return) those grads.
-        num_programs: target program count (tests; no cap on the tiles per program); default
-            ``ELEMENTWISE_PROGRAMS_PER_SM * SMs`` with at most ``ELEMENTWISE_MAX_TILES_PER_PROGRAM``
-            tiles per program.
+        num_programs: tests: the program-count target. Head tiles (v3): about that many
+            programs, however many tiles each (default ``ELEMENTWISE_PROGRAMS_PER_SM * SMs``
+            with at most ``ELEMENTWISE_MAX_TILES_PER_PROGRAM`` tiles per program). Token rows
+            (v5): head slices are added until the grid reaches it (default
+            ``ROWS_PROGRAMS_PER_SM * SMs``); the grid can be larger.
 
     Returns:
         (grad_q_weight [D], grad_k_weight [D], grad_cos [Bc, S, D], grad_sin [Bc, S, D]) in the

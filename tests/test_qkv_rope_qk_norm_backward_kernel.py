@@ -222,11 +222,12 @@ def test_elementwise_program_count_does_not_change_bits(tiling):
         assert (a[i].float() - b[i].float()).abs().le(bf16_ulp(a[i])).all(), i
 
 
-@pytest.mark.parametrize("B,bc,slices", [(2, 1, 8), (2, 2, 4), (3, 3, 1), (1, 1, 2)])
+@pytest.mark.parametrize("B,bc,slices", [(2, 1, 8), (2, 2, 4), (3, 3, 1), (1, 1, 2), (2, 1, 1)])
 def test_token_rows_head_slices_and_cos_sin_paths(monkeypatch, B, bc, slices):
     """v5 grids: head slices (num_programs forces NS; 8 slices of 8 q heads leave the 2 k and v
     heads to slices 0-1, the rest have empty k/v loops), cos/sin written by the kernel itself
-    (one slice, Bc = B) or summed over slices and batch by the finishing launch (Bc = 1 < B)."""
+    (one slice, Bc = B) or summed over slices and batch by the finishing launch (Bc = 1 < B,
+    also with one slice)."""
     monkeypatch.setattr(kb, "ELEMENTWISE_TILING", "token_rows")
     S = 7
     plan = kb._rows_plan(B, S, 8, 2, 64, bc, True, True, slices, kb.ROWS_TOKENS)
@@ -242,6 +243,10 @@ def test_auto_tiling_routes_by_token_count(monkeypatch):
     monkeypatch.setattr(kb, "ELEMENTWISE_TILING", "rows")
     with pytest.raises(ValueError, match="ELEMENTWISE_TILING"):
         kb.elementwise_tiling(4096)
+    with pytest.raises(ValueError, match="ROWS_TOKENS: expected a power of two"):
+        kb._rows_plan(2, 2048, 32, 8, 128, 2, True, True, 132, 24)
+    # A head count that is not a power of two: slices never outnumber the q heads.
+    assert kb._rows_plan(1, 5, 5, 1, 64, 1, True, True, 64, 16).NS == 4
 
 
 def test_token_rows_plan_keeps_heads_together_at_large_m():
