@@ -18,14 +18,12 @@ from transformers.models.glm.modeling_glm import apply_rotary_pos_emb as glm_app
 from transformers.models.glm.modeling_glm import rotate_half as glm_rotate_half
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
 
-from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_reference, rope_reference
+from fusion_pass.kernels.qk_norm_rope_cache_reference import rope_reference
 from compile_capture import eager, fused_call, fused_count, run_fused
-from fused_op_args import random_op_args
+from fused_op_calls import assert_op_call_matches_reference, random_op_args
 
 # Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
 UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
-# test_qk_norm_rope_cache_kernel.py's MAX_ULPS for fp16 under the interpreter.
-FP16_INTERPRETED_MAX_ULPS = 2.0
 
 
 def second_half_tables(q, k, cos, sin, unsqueeze_dim=1):
@@ -134,20 +132,7 @@ def test_op_interleaved_matches_the_reference(dtype, head_dim, rope_first):
     """The kernel (Triton interpreter on CPU) against GLM's computation (the reference): bf16 bit
     for bit, fp16 within the interpreter bound; the cache rows hold k_out. head_dim 48 masks
     the padded half tile."""
-    args = dict(make_op_args(dtype, head_dim), rope_first=rope_first)
-    ref = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
-    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
-    q_ref, k_ref = qk_norm_rope_cache_reference(**ref)
-    if dtype == torch.bfloat16:
-        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-    else:
-        for out, want in ((q_out, q_ref), (k_out, k_ref)):
-            # fp16 ulps at the output's scale (the statistic's summation order, see the kernel tests).
-            ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-14))) - 10)
-            assert float(((out.float() - want.float()).abs() / ulp).max()) <= FP16_INTERPRETED_MAX_ULPS
-    for position, token in ((3, 0), (11, 1), (7, 2), (0, 4)):
-        assert torch.equal(args["k_cache"][:, :, position], k_out[:, :, token])
-    assert torch.equal(args["v_cache"], ref["v_cache"])
+    assert_op_call_matches_reference(dict(make_op_args(dtype, head_dim), rope_first=rope_first))
 
 
 def test_op_interleaved_is_glm_rope_and_not_rotate_half():

@@ -13,14 +13,12 @@ from torch import nn
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm, apply_rotary_pos_emb, rotate_half
 
 import fusion_pass
-from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, qk_norm_rope_cache_reference
+from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference
 from compile_capture import eager, fused_call, fused_count, run_fused
-from fused_op_args import random_op_args
+from fused_op_calls import assert_op_call_matches_reference, random_op_args
 
 # Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
 UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
-# test_qk_norm_rope_cache_kernel.py's MAX_ULPS for fp16 under the interpreter.
-FP16_INTERPRETED_MAX_ULPS = 2.0
 
 
 def rotate_last_features(q, k, cos, sin):
@@ -168,20 +166,7 @@ def test_op_partial_rotary_matches_the_reference(dtype, head_dim, rotary_dim, ro
     """The kernel (Triton interpreter on CPU) against the reference: bf16 bit for bit, fp16
     within the interpreter bound; the pass-through features equal the normed input's (norm
     first), and the cache rows hold k_out. head_dim 48 masks the padded half tile."""
-    args = dict(make_op_args(dtype, head_dim, rotary_dim), rope_first=rope_first)
-    ref = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
-    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
-    q_ref, k_ref = qk_norm_rope_cache_reference(**ref)
-    if dtype == torch.bfloat16:
-        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-    else:
-        for out, want in ((q_out, q_ref), (k_out, k_ref)):
-            # fp16 ulps at the output's scale (the statistic's summation order, see the kernel tests).
-            ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-14))) - 10)
-            assert float(((out.float() - want.float()).abs() / ulp).max()) <= FP16_INTERPRETED_MAX_ULPS
-    for position, token in ((3, 0), (11, 1), (7, 2), (0, 4)):
-        assert torch.equal(args["k_cache"][:, :, position], k_out[:, :, token])
-    assert torch.equal(args["v_cache"], ref["v_cache"])
+    assert_op_call_matches_reference(dict(make_op_args(dtype, head_dim, rotary_dim), rope_first=rope_first))
 
 
 def test_op_partial_rotary_is_not_full_rotary_of_the_slice():

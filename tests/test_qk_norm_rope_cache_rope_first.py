@@ -12,7 +12,7 @@ import fusion_pass
 from fusion_pass.demo import apply_rotary_pos_emb
 from fusion_pass.kernels.qk_norm_rope_cache_reference import NORM_STYLES, qk_norm_rope_cache_reference
 from compile_capture import eager, fused_count, run_fused
-from fused_op_args import random_op_args
+from fused_op_calls import random_op_args
 from prologue_variants import PAGED_WRITES, DensePrologue, PagedPrologue, make_paged_inputs
 from qwen3_style import make_inputs
 
