@@ -45,6 +45,18 @@ def assert_fused_with_norm(graph_text: str, norm: str) -> None:
         assert "q_weight=None, k_weight=None" in calls[0], calls[0]
 
 
+def assert_fused_once_and_bit_exact(model, inputs: list, norm: str):
+    """Compiled with the pass: one fusion with the op's ``norm`` for this form, q_rotated and
+    both caches (inputs 3 and 4) bit-identical to eager's. Returns the graph capture."""
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert_fused_with_norm(capture.after[0], norm)
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+    return capture
+
+
 # --- the model forms fuse, bit for bit --------------------------------------------------------
 
 @pytest.mark.parametrize("norm_after_transpose", [False, True], ids=["norm_bshd", "norm_bhsd"])
@@ -52,13 +64,7 @@ def assert_fused_with_norm(graph_text: str, norm: str) -> None:
 def test_dense_cache_norm_forms_fuse_once_and_are_bit_exact(norm, norm_after_transpose):
     """Before the transpose (Qwen3's place) and after it (Gemma3's and NeoMME's place)."""
     model = DensePrologue(norm=norm, norm_after_transpose=norm_after_transpose).to(torch.bfloat16)
-    inputs = list(make_inputs())
-    (q_ref, _), ref_inputs = eager(model, inputs)
-    (q_out, _), capture = run_fused(model, inputs)
-    assert fused_count() == 1
-    assert_fused_with_norm(capture.after[0], norm)
-    assert torch.equal(q_out, q_ref)
-    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+    assert_fused_once_and_bit_exact(model, list(make_inputs()), norm)
 
 
 @pytest.mark.parametrize("norm", [n for n in NORMS if n != "qwen3"])
@@ -66,26 +72,15 @@ def test_fp16_decode_gqa_norm_forms_are_bit_exact(norm):
     model = DensePrologue(hidden=32, q_heads=8, kv_heads=2, head_dim=64, norm=norm,
                           norm_after_transpose=True).to(torch.float16)
     inputs = list(make_inputs(batch=1, seq=1, past=9, hidden=32, head_dim=64, dtype=torch.float16))
-    (q_ref, _), ref_inputs = eager(model, inputs)
-    (q_out, _), capture = run_fused(model, inputs)
-    assert fused_count() == 1
-    assert_fused_with_norm(capture.after[0], norm)
-    assert torch.equal(q_out, q_ref)
-    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+    assert_fused_once_and_bit_exact(model, inputs, norm)
 
 
 @pytest.mark.parametrize("norm", [n for n in NORMS if n != "qwen3"])
 def test_paged_cache_fused_qkv_norm_forms_fuse_once_and_are_bit_exact(norm):
     """vLLM's flattened tokens, q/k/v as slices of one fused QKV projection, a paged cache."""
     model = PagedPrologue(layout="tokens", fused_qkv=True, norm=norm).to(torch.bfloat16)
-    inputs = list(make_paged_inputs(layout="tokens"))
-    (q_ref, _), ref_inputs = eager(model, inputs)
-    (q_out, _), capture = run_fused(model, inputs)
-    assert fused_count() == 1
+    capture = assert_fused_once_and_bit_exact(model, list(make_paged_inputs(layout="tokens")), norm)
     assert PAGED_OP in capture.after[0]
-    assert_fused_with_norm(capture.after[0], norm)
-    assert torch.equal(q_out, q_ref)
-    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
 
 
 def test_torch_rms_norm_default_eps_fuses_with_float32_eps():
