@@ -968,7 +968,6 @@ def qk_norm_rope_backward_triton(
         raise ValueError("qk_norm_rope_backward_triton: q needs a contiguous last dim")
 
     M = B * S
-    dev = q.device
     q_weight = q_weight.contiguous()
     k_weight = k_weight.contiguous()
     dq_sb, dq_ss = _bsn_strides(grad_q_proj, B, S, HQ * D, "grad_q_proj")
@@ -984,13 +983,25 @@ def qk_norm_rope_backward_triton(
         gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
         return gw[0], gw[1], gcs[0], gcs[1]
 
-    args = (grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight, grad_q_proj, grad_k_proj,
-            grad_v_proj, need_weight_grad, need_cos_sin_grad, num_programs,
-            (dq_sb, dq_ss), (dk_sb, dk_ss), (dv_sb, dv_ss), rq_s, rk_s, cos_sb, sin_sb)
-    tiling = elementwise_tiling(M)
-    if tiling == "token_rows":
-        return _launch_token_rows(*args)
-    return _launch_head_tiles(*args)
+    # The leading arguments of both elementwise kernels (same signature up to the workspaces).
+    tensor_args = (
+        grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
+        grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
+        grad_v, grad_v.stride(0), grad_v.stride(1), grad_v.stride(2),
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k, k.stride(0), k.stride(1), k.stride(2),
+        q_rstd, *rq_s,
+        k_rstd, *rk_s,
+        cos, cos_sb, cos.stride(1),
+        sin, sin_sb, sin.stride(1),
+        q_weight, k_weight,
+        grad_q_proj, dq_sb, dq_ss,
+        grad_k_proj, dk_sb, dk_ss,
+        grad_v_proj, dv_sb, dv_ss,
+    )
+    launch = _launch_token_rows if elementwise_tiling(M) == "token_rows" else _launch_head_tiles
+    return launch(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos, sin, need_weight_grad,
+                  need_cos_sin_grad, num_programs)
 
 
 def elementwise_tiling(M: int) -> str:
@@ -1002,10 +1013,12 @@ def elementwise_tiling(M: int) -> str:
     raise ValueError(f"ELEMENTWISE_TILING: expected 'auto', 'token_rows' or 'head_tiles', got {ELEMENTWISE_TILING!r}")
 
 
-def _finish(plan_cs_programs, plan_w_programs, gw_ws, cs_ws, PA, PB, NHB, need_w, need_cs, q_weight, k_weight,
-            cos, sin, B, S, M, D, BLOCK_P, BLOCK_L, BLOCK_T, BLOCK_2D, grad_cos=None, grad_sin=None):
-    """Allocate the requested grads and run the finishing sums (one launch; none when nothing is
-    left to sum). grad_cos / grad_sin passed in: already written by the elementwise kernel."""
+def _finish(plan, gw_ws, cs_ws, PA, PB, NHB, need_w, need_cs, q_weight, k_weight, cos, sin, B, S, D,
+            grad_cos=None, grad_sin=None):
+    """Allocate the requested grads and run the finishing sums of ``plan`` (an _ElementwisePlan or
+    _RowsPlan: one launch, none when nothing is left to sum). grad_cos / grad_sin passed in:
+    already written by the elementwise kernel. Returns (grad_q_weight, grad_k_weight, grad_cos,
+    grad_sin), None where not requested."""
     dev, Bc = cos.device, cos.shape[0]
     grad_qw = grad_kw = gw_ws  # placeholders for unused pointers (constexpr branches)
     if need_w:
@@ -1016,23 +1029,22 @@ def _finish(plan_cs_programs, plan_w_programs, gw_ws, cs_ws, PA, PB, NHB, need_w
     if need_cs and grad_cos is None:
         gc = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
         gs = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
-    if plan_cs_programs + plan_w_programs:
-        _finish_partials_kernel[(plan_cs_programs + plan_w_programs,)](
+    if plan.cs_programs + plan.w_programs:
+        _finish_partials_kernel[(plan.cs_programs + plan.w_programs,)](
             gw_ws, grad_qw, grad_kw, cs_ws, gc, gs,
-            PA, PB, Bc * S, M, S, NHB, B if Bc == 1 else 1, plan_cs_programs,
-            D=D, BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_2D=BLOCK_2D,
+            PA, PB, Bc * S, B * S, S, NHB, B if Bc == 1 else 1, plan.cs_programs,
+            D=D, BLOCK_P=plan.BLOCK_P, BLOCK_L=plan.BLOCK_L, BLOCK_T=plan.BLOCK_T, BLOCK_2D=plan.BLOCK_2D,
             W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype],
-            NEED_W=need_w, NEED_CS=need_cs and plan_cs_programs > 0, num_warps=4,
+            NEED_W=need_w, NEED_CS=need_cs and plan.cs_programs > 0, num_warps=4,
         )
     return (grad_qw if need_w else None, grad_kw if need_w else None,
             gc if need_cs else None, gs if need_cs else None)
 
 
-def _launch_token_rows(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight,
-                       grad_q_proj, grad_k_proj, grad_v_proj, need_w, need_cs, num_programs,
-                       dq_s, dk_s, dv_s, rq_s, rk_s, cos_sb, sin_sb):
-    B, HQ, S, D = grad_q.shape
-    HKV, M, Bc, dev = grad_k.shape[1], B * S, cos.shape[0], q.device
+def _launch_token_rows(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos, sin, need_w, need_cs,
+                       num_programs):
+    """v5: the token-rows kernel on ``tensor_args`` (see qk_norm_rope_backward_triton), then _finish."""
+    M, Bc, dev = B * S, cos.shape[0], q.device
     plan = _rows_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
                       ROWS_PROGRAMS_PER_SM * _sms_of(q) if num_programs is None else num_programs,
                       ROWS_TOKENS)
@@ -1044,20 +1056,7 @@ def _launch_token_rows(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q
         grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
         grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
     _qk_norm_rope_bwd_rows_kernel[(plan.programs,)](
-        grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
-        grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
-        grad_v, grad_v.stride(0), grad_v.stride(1), grad_v.stride(2),
-        q, q.stride(0), q.stride(1), q.stride(2),
-        k, k.stride(0), k.stride(1), k.stride(2),
-        q_rstd, *rq_s,
-        k_rstd, *rk_s,
-        cos, cos_sb, cos.stride(1),
-        sin, sin_sb, sin.stride(1),
-        q_weight, k_weight,
-        grad_q_proj, *dq_s,
-        grad_k_proj, *dk_s,
-        grad_v_proj, *dv_s,
-        gw_ws, cs_ws,
+        *tensor_args, gw_ws, cs_ws,
         gw_ws if grad_cos is None else grad_cos, gw_ws if grad_sin is None else grad_sin,
         M, S, plan.programs,
         HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BT=plan.BT, NS=plan.NS,
@@ -1066,39 +1065,21 @@ def _launch_token_rows(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q
         num_warps=ROWS_NUM_WARPS,
         **COMPILE_OPTIONS,
     )
-    if not (need_w or need_cs):
-        return None, None, None, None
-    return _finish(plan.cs_programs, plan.w_programs, gw_ws, cs_ws, plan.programs, plan.programs, plan.NS,
-                   need_w, need_cs, q_weight, k_weight, cos, sin, B, S, M, D, plan.BLOCK_P, plan.BLOCK_L,
-                   plan.BLOCK_T, plan.BLOCK_2D, grad_cos, grad_sin)
+    return _finish(plan, gw_ws, cs_ws, plan.programs, plan.programs, plan.NS, need_w, need_cs, q_weight,
+                   k_weight, cos, sin, B, S, D, grad_cos, grad_sin)
 
 
-def _launch_head_tiles(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight,
-                       grad_q_proj, grad_k_proj, grad_v_proj, need_w, need_cs, num_programs,
-                       dq_s, dk_s, dv_s, rq_s, rk_s, cos_sb, sin_sb):
-    B, HQ, S, D = grad_q.shape
-    HKV, M, Bc, dev = grad_k.shape[1], B * S, cos.shape[0], q.device
+def _launch_head_tiles(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos, sin, need_w, need_cs,
+                       num_programs):
+    """v3: the head-tiles kernel on ``tensor_args`` (see qk_norm_rope_backward_triton), then _finish."""
+    M, Bc, dev = B * S, cos.shape[0], q.device
     plan = _elementwise_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
                              ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q), num_programs,
                              ELEMENTWISE_TILE_ELEMENTS, ELEMENTWISE_MAX_TILES_PER_PROGRAM)
-    PQ, PK, nqb, nkb = plan.PQ, plan.PK, plan.nqb, plan.nkb
-    gw_ws = torch.empty((PQ + PK, D) if need_w else (1,), device=dev, dtype=torch.float32)
-    cs_ws = torch.empty((nqb + nkb, M, 2 * D) if need_cs else (1,), device=dev, dtype=torch.float32)
+    gw_ws = torch.empty((plan.PQ + plan.PK, D) if need_w else (1,), device=dev, dtype=torch.float32)
+    cs_ws = torch.empty((plan.nqb + plan.nkb, M, 2 * D) if need_cs else (1,), device=dev, dtype=torch.float32)
     _qk_norm_rope_bwd_kernel[(plan.programs,)](
-        grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
-        grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
-        grad_v, grad_v.stride(0), grad_v.stride(1), grad_v.stride(2),
-        q, q.stride(0), q.stride(1), q.stride(2),
-        k, k.stride(0), k.stride(1), k.stride(2),
-        q_rstd, *rq_s,
-        k_rstd, *rk_s,
-        cos, cos_sb, cos.stride(1),
-        sin, sin_sb, sin.stride(1),
-        q_weight, k_weight,
-        grad_q_proj, *dq_s,
-        grad_k_proj, *dk_s,
-        grad_v_proj, *dv_s,
-        gw_ws, cs_ws,
+        *tensor_args, gw_ws, cs_ws,
         M, S, plan.GQ, plan.GK, plan.GK, plan.ntt_q, plan.ntt_k,
         HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D,
         BHQ=plan.BHQ, BTQ=plan.BTQ, BHK=plan.BHK, BTK=plan.BTK, BHV=plan.BHK, BTV=plan.BTK,
@@ -1106,11 +1087,8 @@ def _launch_head_tiles(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q
         num_warps=ELEMENTWISE_NUM_WARPS,
         **COMPILE_OPTIONS,
     )
-    if not (need_w or need_cs):
-        return None, None, None, None
-    return _finish(plan.cs_programs, plan.w_programs, gw_ws, cs_ws, PQ, PK, nqb + nkb, need_w, need_cs,
-                   q_weight, k_weight, cos, sin, B, S, M, D, plan.BLOCK_P, plan.BLOCK_L, plan.BLOCK_T,
-                   plan.BLOCK_2D)
+    return _finish(plan, gw_ws, cs_ws, plan.PQ, plan.PK, plan.nqb + plan.nkb, need_w, need_cs, q_weight,
+                   k_weight, cos, sin, B, S, D)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,28 +18,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
+import os
 import sys
 
 import torch
 
-import fusion_pass
+# The benchmark's StaticCache helpers: this check replays its decode recipe. Imported first: the
+# module sets its environment (fresh kernel caches; the interpreter without CUDA) before Triton
+# is imported.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_end_to_end import cache_kwarg_name, new_static_cache, set_cache_length  # noqa: E402
+
+import fusion_pass  # noqa: E402
 
 BATCH, CONTEXT, STEPS = 8, 256, 3
-
-
-def set_cache_length(cache, length: int) -> None:
-    """transformers >= 5: a StaticCache layer writes at its ``cumulative_length`` counter."""
-    for layer in getattr(cache, "layers", []):
-        counter = getattr(layer, "cumulative_length", None)
-        if isinstance(counter, torch.Tensor):
-            counter.fill_(length)
-
-
-def cache_kwarg(model) -> str:
-    """transformers >= 5 names the cache argument ``cache`` (``past_key_values`` is deprecated there)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def decode(forward, cache, tokens: torch.Tensor, graphs: bool, cache_name: str) -> list[torch.Tensor]:
@@ -65,7 +58,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("cudagraph_decode_check.py needs CUDA", file=sys.stderr)
         return 2
-    from transformers import Qwen3Config, Qwen3ForCausalLM, StaticCache
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=32000, hidden_size=4096, intermediate_size=16384, num_hidden_layers=2,
@@ -75,13 +68,10 @@ def main() -> int:
         for name, p in model.named_parameters():
             if "norm" in name:  # neutral weights would hide a weight applied twice or not at all
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-    cache = StaticCache(config=config, max_cache_len=CONTEXT + 16)
-    if hasattr(cache, "early_initialization"):
-        cache.early_initialization(BATCH, config.num_key_value_heads, config.head_dim, torch.bfloat16,
-                                   torch.device("cuda"))
+    cache = new_static_cache(config, CONTEXT + 16, BATCH, "cuda", torch.bfloat16)
     prompt = torch.randint(0, config.vocab_size, (BATCH, CONTEXT), device="cuda")
     tokens = torch.randint(0, config.vocab_size, (BATCH, STEPS), device="cuda")
-    cache_name = cache_kwarg(model)
+    cache_name = cache_kwarg_name(model)
     with torch.no_grad():
         position = torch.arange(CONTEXT, device="cuda")
         model(input_ids=prompt, cache_position=position, position_ids=position[None].expand(BATCH, -1),

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
+from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb as glm4_moe_apply_rotary_pos_emb
 
 from fusion_pass.demo import RMSNorm, apply_rotary_pos_emb
 
@@ -279,3 +281,43 @@ class DensePrologue(nn.Module):
         k_cache.index_copy_(2, cache_position, k)
         v_cache.index_copy_(2, cache_position, v)
         return q, q.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+
+
+class Glm4MoePrologue(nn.Module):
+    """``Glm4MoeAttention.forward`` up to the cache write, with a ``StaticCache``-style write:
+    projections, per-head ``Glm4MoeRMSNorm`` on ``[B, S, H, D]``, transpose, ``rope``, then
+    ``index_copy_(2, cache_position, .)``.
+
+    Forward(hidden_states [B, S, hidden], cos/sin [B, S, rotary width], k_cache/v_cache
+    [B, Hkv, L, D], cache_position [S]) returns (q_rotated [B, Hq, S, D], a sum that reads the
+    updated caches, as attention would). ``rope``: transformers' ``apply_rotary_pos_emb`` of
+    GLM-4.5 (partial rotary, the default), GLM's interleaved one, or a look-alike with the same
+    signature.
+    """
+
+    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=64, eps=1e-6, rope=glm4_moe_apply_rotary_pos_emb):
+        super().__init__()
+        self.head_dim, self.rope = head_dim, rope
+        self.q_proj = nn.Linear(hidden, q_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.q_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
+        self.k_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
+        with torch.no_grad():  # neutral weights would hide a weight applied twice or not at all
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
+
+    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        value_states = self.v_proj(hidden_states).view(hidden_shape)
+        query_states = self.q_norm(query_states)  # use_qk_norm
+        key_states = self.k_norm(key_states)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        value_states = value_states.transpose(1, 2)
+        query_states, key_states = self.rope(query_states, key_states, cos, sin)
+        k_cache.index_copy_(2, cache_position, key_states)  # StaticCache.update
+        v_cache.index_copy_(2, cache_position, value_states)
+        return query_states, query_states.float().sum() + k_cache.float().sum() + v_cache.float().sum()

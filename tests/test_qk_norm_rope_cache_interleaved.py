@@ -4,23 +4,22 @@ on ``x[..., 0::2]``/``x[..., 1::2]``, tables ``cos[..., :D/2].repeat_interleave(
 
 No transformers model has this RoPE after a per-head RMSNorm in front of a KV-cache write (GLM,
 GPT-J and CodeGen have no q/k norm; Cohere's q/k norm is a LayerNorm and it rotates in fp32), so
-the prologue below is written in Hugging Face's style: transformers' ``Glm4MoeRMSNorm`` (Qwen3's
-form) per head, then transformers' GLM ``apply_rotary_pos_emb`` itself, then a StaticCache-style
-write. Exact match counts, bit-exact numerics against eager, a look-alike left alone, the op's
+the prologue is GLM-4.5's (``prologue_variants.Glm4MoePrologue``: transformers' ``Glm4MoeRMSNorm``,
+Qwen3's form, per head) with transformers' GLM ``apply_rotary_pos_emb`` itself as its RoPE, then a
+StaticCache-style write. Exact match counts, bit-exact numerics against eager, a look-alike left alone, the op's
 ``interleaved`` argument computed as the model computes it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from transformers.models.glm.modeling_glm import apply_rotary_pos_emb as glm_apply_rotary_pos_emb
 from transformers.models.glm.modeling_glm import rotate_half as glm_rotate_half
-from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
 
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rope_reference
 from compile_capture import eager, fused_call, fused_count, run_fused
 from fused_op_calls import assert_op_call_matches_reference, random_op_args
+from prologue_variants import Glm4MoePrologue
 
 # Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
 UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
@@ -34,37 +33,6 @@ def second_half_tables(q, k, cos, sin, unsqueeze_dim=1):
     cos = cos[..., cos.shape[-1] // 2:].repeat_interleave(2, dim=-1)
     sin = sin[..., sin.shape[-1] // 2:].repeat_interleave(2, dim=-1)
     return (q * cos) + (glm_rotate_half(q) * sin), (k * cos) + (glm_rotate_half(k) * sin)
-
-
-class InterleavedRopePrologue(nn.Module):
-    """Projections -> per-head ``Glm4MoeRMSNorm`` on ``[B, S, H, D]`` -> transpose -> GLM's
-    interleaved ``apply_rotary_pos_emb`` -> ``index_copy_(2, cache_position, .)``.
-
-    Forward(hidden_states [B, S, hidden], cos/sin [B, S, D], k_cache/v_cache [B, Hkv, L, D],
-    cache_position [S]) returns (q_rotated [B, Hq, S, D], a sum that reads the updated caches).
-    """
-
-    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=32, eps=1e-6, rope=glm_apply_rotary_pos_emb):
-        super().__init__()
-        self.head_dim, self.rope = head_dim, rope
-        self.q_proj = nn.Linear(hidden, q_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.q_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
-        self.k_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
-        with torch.no_grad():  # neutral weights would hide a weight applied twice or not at all
-            for norm in (self.q_norm, self.k_norm):
-                norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
-
-    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        query_states, key_states = self.rope(query_states, key_states, cos, sin)
-        k_cache.index_copy_(2, cache_position, key_states)  # StaticCache.update
-        v_cache.index_copy_(2, cache_position, value_states)
-        return query_states, query_states.float().sum() + k_cache.float().sum() + v_cache.float().sum()
 
 
 def make_interleaved_inputs(batch=2, seq=5, past=3, hidden=64, kv_heads=2, head_dim=32, cache_len=24,
@@ -93,7 +61,7 @@ def make_interleaved_inputs(batch=2, seq=5, past=3, hidden=64, kv_heads=2, head_
 )
 def test_interleaved_rope_fuses_once_and_is_bit_exact(dtype, geometry):
     q_heads = geometry.pop("q_heads")
-    model = InterleavedRopePrologue(q_heads=q_heads, kv_heads=geometry["kv_heads"],
+    model = Glm4MoePrologue(rope=glm_apply_rotary_pos_emb, q_heads=q_heads, kv_heads=geometry["kv_heads"],
                                     head_dim=geometry["head_dim"]).to(dtype)
     inputs = make_interleaved_inputs(dtype=dtype, **geometry)
     (q_ref, _), ref_inputs = eager(model, inputs)
@@ -109,7 +77,7 @@ def test_interleaved_rope_fuses_once_and_is_bit_exact(dtype, geometry):
 # --- a look-alike stays unfused ---------------------------------------------------------------
 
 def test_interleaving_the_second_half_of_the_tables_is_not_fused():
-    model = InterleavedRopePrologue(rope=second_half_tables).to(torch.bfloat16)
+    model = Glm4MoePrologue(head_dim=32, rope=second_half_tables).to(torch.bfloat16)
     inputs = make_interleaved_inputs(halves_differ=True)
     (q_ref, _), ref_inputs = eager(model, inputs)
     (q_out, _), capture = run_fused(model, inputs)

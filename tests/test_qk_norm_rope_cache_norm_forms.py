@@ -101,13 +101,7 @@ def test_torch_rms_norm_kept_in_fp32_in_a_bf16_model_fuses():
     """An fp32 weight (norm modules left in fp32): the fp32 product is the same, one rounding."""
     model = DensePrologue(norm="torch_rms_norm", norm_after_transpose=True).to(torch.bfloat16)
     model.q_norm.float(), model.k_norm.float()
-    inputs = list(make_inputs())
-    (q_ref, _), ref_inputs = eager(model, inputs)
-    (q_out, _), capture = run_fused(model, inputs)
-    assert fused_count() == 1
-    assert_fused_with_norm(capture.after[0], "torch_rms_norm")
-    assert torch.equal(q_out, q_ref)
-    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+    assert_fused_once_and_bit_exact(model, list(make_inputs()), "torch_rms_norm")
 
 
 def test_gemma3_norm_kept_in_fp32_is_not_recognized():

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm, apply_rotary_pos_emb, rotate_half
+from transformers.models.glm4_moe.modeling_glm4_moe import rotate_half
 
 import fusion_pass
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference
 from compile_capture import eager, fused_call, fused_count, run_fused
 from fused_op_calls import assert_op_call_matches_reference, random_op_args
+from prologue_variants import Glm4MoePrologue
 
 # Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
 UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
@@ -31,43 +31,6 @@ def rotate_last_features(q, k, cos, sin):
         x_pass, x_rot = x[..., :-rotary_dim], x[..., -rotary_dim:]
         out.append(torch.cat([x_pass, (x_rot * cos) + (rotate_half(x_rot) * sin)], dim=-1))
     return tuple(out)
-
-
-class Glm4MoePrologue(nn.Module):
-    """``Glm4MoeAttention.forward`` up to the cache write, with a ``StaticCache``-style write.
-
-    Forward(hidden_states [B, S, hidden], cos/sin [B, S, rotary_dim], k_cache/v_cache
-    [B, Hkv, L, D], cache_position [S]) returns (q_rotated [B, Hq, S, D], a sum that reads the
-    updated caches, as attention would). ``rope``: transformers' ``apply_rotary_pos_emb`` of
-    GLM-4.5 (default) or a look-alike with the same signature.
-    """
-
-    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=64, eps=1e-6, rope=apply_rotary_pos_emb):
-        super().__init__()
-        self.head_dim, self.rope = head_dim, rope
-        self.q_proj = nn.Linear(hidden, q_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.q_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
-        self.k_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
-        with torch.no_grad():  # neutral weights would hide a weight applied twice or not at all
-            for norm in (self.q_norm, self.k_norm):
-                norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
-
-    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape)
-        key_states = self.k_proj(hidden_states).view(hidden_shape)
-        value_states = self.v_proj(hidden_states).view(hidden_shape)
-        query_states = self.q_norm(query_states)  # use_qk_norm
-        key_states = self.k_norm(key_states)
-        query_states = query_states.transpose(1, 2)
-        key_states = key_states.transpose(1, 2)
-        value_states = value_states.transpose(1, 2)
-        query_states, key_states = self.rope(query_states, key_states, cos, sin)
-        k_cache.index_copy_(2, cache_position, key_states)  # StaticCache.update
-        v_cache.index_copy_(2, cache_position, value_states)
-        return query_states, query_states.float().sum() + k_cache.float().sum() + v_cache.float().sum()
 
 
 def make_partial_inputs(batch=2, seq=5, past=3, hidden=64, kv_heads=2, head_dim=64, rotary_dim=32, cache_len=24,
