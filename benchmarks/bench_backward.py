@@ -13,7 +13,8 @@ rate (8192^3), then per case (S, B):
   stock_compile_us  torch.compile of that eager function (static shapes, one compile per case)
   fusion_pass_us    ours: the elementwise Triton pass + the GEMM route qkv_projection_backward picks
   elementwise_us    the elementwise pass alone;  gemm_us: our GEMM route alone
-  gemm_variants_us  for M <= 256: torch / fused / triton_gh (to set FUSED_GEMM_MAX_M from data)
+  gemm_variants_us  for M <= 586: the GEMM routes of kernels/projection_backward.py (torch / streams /
+                    triton), graph replay
   rel_err           max over outputs of max|ours - ref| / max|ref|, ref = float64 autograd
 
 Timing: ``triton.testing.do_bench(fn, return_mode="median")`` (L2 flushed between runs).
@@ -41,6 +42,7 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
+from fusion_pass.kernels import projection_backward as pb  # noqa: E402
 from fusion_pass.kernels import qkv_rope_qk_norm_backward_triton as kb  # noqa: E402
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
@@ -198,7 +200,7 @@ def cpu_check() -> int:
     HQ, HKV, D = 4, 2, 64
     QKV = (HQ + 2 * HKV) * D
     t = make_inputs(S, B, "cpu", hidden_size=hidden_size)
-    for strategy in ("fused", "torch"):
+    for strategy in ("triton", "torch"):
         err, errs = rel_err(ours(t, strategy), reference64(t))
         log(f"  S={S} B={B} Hq={HQ} Hkv={HKV} D={D} hidden={hidden_size} bf16, GEMMs '{strategy}': max rel err "
             f"vs float64 {err:.2e} ({', '.join(f'{e:.1e}' for e in errs)})")
@@ -298,10 +300,10 @@ def run_gpu(args) -> int:
         h2 = t["hidden"].view(M, -1)
         gemms_us = bench(lambda: (torch.mm(g_rand, t["W"]), torch.mm(g_rand.t(), h2)))
         variants = {}
-        if M <= 256:
-            for strat in ("torch", "fused", "triton_gh"):
-                variants[strat] = bench(lambda s=strat: kb.qkv_projection_backward(g_rand, h2, t["W"], strategy=s))
-        gemm_us = bench(lambda: kb.qkv_projection_backward(g_rand, h2, t["W"]))
+        if M <= 586:
+            for strat in ("torch", "streams", "triton"):
+                variants[strat] = bench_graph(lambda s=strat: pb.qkv_projection_backward(g_rand, h2, t["W"], strategy=s))
+        gemm_us = bench(lambda: pb.qkv_projection_backward(g_rand, h2, t["W"]))
         grad_qkv = torch.empty(M, QKV, device=DEVICE, dtype=torch.bfloat16)
         nq, nk = HQ * D, HKV * D
 
@@ -326,7 +328,7 @@ def run_gpu(args) -> int:
                    elementwise_us=elementwise_us, gemm_us=gemm_us, gemm_variants_us=variants or None,
                    fusion_pass_graph_us=fusion_graph_us, elementwise_graph_us=elementwise_graph_us,
                    gemms_graph_us=gemms_graph_us,
-                   gemm_route="fused" if (M <= kb.FUSED_GEMM_MAX_M) else "torch",
+                   gemm_route="torch",  # what strategy "auto" runs
                    rel_err=err, rel_err_per_output=dict(zip(
                        ("grad_hidden", "grad_cos", "grad_sin", "grad_W", "grad_q_norm_w", "grad_k_norm_w"), errs)),
                    eager_rel_err=eager_err, stock_compile_rel_err=stock_err,
@@ -358,7 +360,7 @@ def run_gpu(args) -> int:
                    small_m_faster_than_gemms={f"{r['S']}x{r['B']}": r["fusion_pass_us"] < r["gemms_us"]
                                               for r in rows if r["M"] <= 586},
                    config=dict(ELEMENTWISE_PROGRAMS_PER_SM=kb.ELEMENTWISE_PROGRAMS_PER_SM,
-                               FUSED_GEMM_MAX_M=kb.FUSED_GEMM_MAX_M),
+                               gemm_auto_strategy="torch"),
                    cases=rows)
     stem = out_dir / f"{date}-h200-backward"
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
@@ -399,12 +401,12 @@ def write_markdown(path, summary):
                  f"{f(m.get('elementwise_graph_us'))} | |")
     var = [r for r in summary["cases"] if r["gemm_variants_us"]]
     if var:
-        lines += ["", "GEMM variants for M <= 256 (µs): torch = two cuBLAS calls, fused = one W-streaming "
-                  "Triton kernel, triton_gh = Triton grad_hidden + cuBLAS grad_W.", "",
-                  "| S | B | torch | fused | triton_gh |", "|---|---|---|---|---|"]
+        lines += ["", "GEMM routes for M <= 586, graph replay (µs): torch = two cuBLAS calls, streams = the "
+                  "same on two streams, triton = the Triton kernels of kernels/projection_backward.py.", "",
+                  "| S | B | torch | streams | triton |", "|---|---|---|---|---|"]
         for r in var:
             v = r["gemm_variants_us"]
-            lines.append(f"| {r['S']} | {r['B']} | {f(v['torch'])} | {f(v['fused'])} | {f(v['triton_gh'])} |")
+            lines.append(f"| {r['S']} | {r['B']} | {f(v['torch'])} | {f(v['streams'])} | {f(v['triton'])} |")
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -224,6 +224,14 @@ ELEMENTWISE_VARIANTS = {
     "v5 8 tokens 2/SM": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=8, ROWS_PROGRAMS_PER_SM=2),
     "v5 2/SM": dict(ELEMENTWISE_TILING="token_rows", ROWS_PROGRAMS_PER_SM=2),
     "v5 32 tokens 8 warps": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=32, ROWS_NUM_WARPS=8),
+    # session 5: whole token rows (no head slices, cos/sin written in-kernel) at small M
+    "v5 1 token 0.5/SM": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=1, ROWS_PROGRAMS_PER_SM=0.5),
+    "v5 2 tokens 0.25/SM": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=2, ROWS_PROGRAMS_PER_SM=0.25),
+    "v5 4 tokens 0.2/SM": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=4, ROWS_PROGRAMS_PER_SM=0.2),
+    "v5 1 token 0.5/SM 2 stages": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=1, ROWS_PROGRAMS_PER_SM=0.5,
+                                       ROWS_STAGES=2),
+    "v5 1 token 8 warps": dict(ELEMENTWISE_TILING="token_rows", ROWS_TOKENS=1, ROWS_PROGRAMS_PER_SM=0.5,
+                               ROWS_NUM_WARPS=8),
 }
 
 

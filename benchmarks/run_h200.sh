@@ -35,6 +35,22 @@ run_tests_kernels() {
     tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py 2>&1 | tee "$out/gpu-tests.log" | tail -15
 }
 case "$stage" in
+  final5) # Session 5, last call: projection + backward kernel GPU tests, training step, suite B with
+       # the GEMM-route columns. One log (the device tool returns at most 8 files).
+       log="$out/final5.log"
+       timeout 220 python3 -m pytest -q -p no:cacheprovider -rs tests/test_projection_backward.py \
+         tests/test_qkv_rope_qk_norm_backward_kernel.py 2>&1 | tee -a "$log" | tail -2
+       timeout 120 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_qkv_rope_qk_norm_numerics.py \
+         2>&1 | tee -a "$log" | tail -2
+       timeout 230 python3 benchmarks/bench_backward.py --out "$out" \
+         --stock-from benchmarks/results/2026-11-29-h200-backward-run2.json 2>&1 | tee -a "$log" | tail -3
+       rm -f "$out"/*.partial.json ;;
+  small-m) # Session 5: GEMM routes (two streams) and host cost per call at small M.
+       timeout ${SMALLM_TIMEOUT:-300} python3 benchmarks/diagnose_small_m_backward.py --out "$out" 2>&1 \
+         | tee "$out/small-m.log" | grep -vE "^\s*$" | head -80 ;;
+  gemm-sweep) # Session 5: tiles of the small-M projection GEMMs against cuBLAS.
+       timeout ${SWEEP_TIMEOUT:-220} python3 benchmarks/sweep_projection_gemms.py --out "$out" 2>&1 \
+         | tee "$out/gemm-sweep.log" | grep -E "^M=|best|failed" ;;
   gpu-models) # Every GPU whole-model test; the CUDA-graph decode check (own processes) last.
        timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -m gpu -k "not cuda_graphs" \
          tests/test_qk_norm_rope_cache_model.py tests/test_qkv_rope_qk_norm_numerics.py 2>&1 \

@@ -80,31 +80,9 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    is touched when its grads are not requested. The partials do not depend on the program count,
    so grad_qkv and grad_cos/sin bits do not either (weight grads: within 1 ulp).
 
-2. ``qkv_projection_backward`` -- the two GEMMs ``grad_hidden = grad_qkv @ W`` and
-   ``grad_W = grad_qkv.T @ hidden`` (+ optional bias grad). Large M: two cuBLAS calls (torch.mm),
-   which reach ~the matmul peak there. Small M (memory-bound: W read 50 MB + grad_W written 50 MB
-   at N=6144, K=4096, while two cuBLAS calls reach ~50 % of bandwidth at M=128): a Triton kernel
-   that streams W exactly once for both products. Program (k-tile, n-split) holds the hidden strip
-   ``hidden[:, k-tile]`` and an fp32 accumulator ``acc[M_pad, BLOCK_K]``, and walks the n-tiles of
-   its N range::
-
-       g   = grad_qkv[:, n-tile]                  # [M_pad, BLOCK_N], re-read from L2 by every k-tile
-       acc += g @ W[n-tile, k-tile]               # grad_hidden partial over this N range
-       grad_W[n-tile, k-tile] = g.T @ hidden[:, k-tile]     # complete (sum over all M), stored once
-
-   then writes ``acc`` to a ``[SPLIT, M, K]`` fp32 workspace (split-N) that ``_sum_partials_kernel``
-   sums in a fixed order (or directly to grad_hidden when SPLIT == 1).
-
-   Tile choice (see ``_fused_gemm_config``): the whole M lives in one tile (M_pad = next pow2 >= 16),
-   so the kernel is for M <= 256. BLOCK_K trades the L2 re-reads of grad_qkv (``K / BLOCK_K`` times)
-   against the accumulator's registers (``M_pad * BLOCK_K`` fp32 per program): BLOCK_K = 128 for
-   M_pad <= 128 (64 KB accumulator, G re-read 32x = 50 MB of L2 traffic at M = 128), 64 for
-   M_pad = 256. BLOCK_N = 64 (W tile 16 KB, enough bytes in flight per stage with 3 stages).
-   SPLIT = SMs / k-tiles rounded (4 at K = 4096, BLOCK_K = 128 on 132 SMs: 128 programs), which
-   costs a ``SPLIT * M * K * 4`` B workspace (8 MB at M = 128, mostly L2-resident).
-   ``FUSED_GEMM_MAX_M`` decides cuBLAS vs fused: 0 since the H200 run of 2026-11-29 (fused 128 us vs
-   cuBLAS 47.6 us at M = 128, 79.5 vs 59.8 at M = 256), so ``auto`` is cuBLAS everywhere; the
-   kernel stays reachable with ``strategy="fused"``.
+2. The two projection GEMMs ``grad_hidden = grad_qkv @ W`` and ``grad_W = grad_qkv.T @ hidden``
+   (+ optional bias grad): ``kernels/projection_backward.py`` (cuBLAS by default; its Triton
+   kernels and a two-stream route are measured alternatives, see there).
 
 Measured error (H200, torch 2.11, triton 3.6, 2026-11-29; all 16 cases of WORKLOADS.md B,
 relative error vs a float64 autograd reference, ``rel_err`` of ``benchmarks/bench_backward.py``):
@@ -121,13 +99,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .projection_backward import qkv_projection_backward
 from .rounding import round_to
+from .triton_device import sm_count, triton_applicable
 
 # ----------------------------------------------------------------------------------------------
 # Tunables (explicit, documented above; the lead sets them from benchmarks/bench_backward.py).
@@ -151,34 +130,14 @@ ELEMENTWISE_NUM_WARPS = 4
 # Compiler options of the elementwise launch: autograd rounds each product, then the sum; with FMA
 # contraction the compiler would fuse a rounded product and the add into one FMA (see _rnd).
 COMPILE_OPTIONS = dict(enable_fp_fusion=False)
-# Largest M routed to the fused W-streaming GEMM kernel (must be <= 256). 0: cuBLAS everywhere.
-# Measured H200 2026-11-29: fused 128 us vs cuBLAS 47.6 us at M = 128, 79.5 vs 59.8 at M = 256.
-FUSED_GEMM_MAX_M = 0
-_INTERPRETER_SMS = 2  # "SM count" under TRITON_INTERPRET=1: keeps the interpreter cheap
 
 _ROUND_NONE, _ROUND_BF16, _ROUND_FP16 = 0, 1, 2
 _ROUND_MODE = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
 SUPPORTED_DTYPES = tuple(_ROUND_MODE)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def triton_applicable(t: torch.Tensor) -> bool:
-    """True where these kernels can run on ``t``'s device: CUDA, or CPU under the interpreter."""
-    return t.is_cuda or (t.device.type == "cpu" and _interpreting())
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int | None) -> int:
-    if device_index is None:
-        return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sms_of(t: torch.Tensor) -> int:
-    return _num_sms(t.device.index if t.is_cuda else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,60 +187,6 @@ def _round(x, ROUND: tl.constexpr):
         return x.to(tl.float16).to(tl.float32)
     else:
         return x
-
-
-@triton.jit
-def _sum_partials_kernel(
-    ws_ptr,  # [P, L] fp32, contiguous
-    out_a_ptr,  # columns [0, L_A) go here ...
-    out_b_ptr,  # ... columns [L_A, L) here (may be out_a_ptr when L_A == L)
-    P,
-    L,
-    L_A,
-    ROUND: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-):
-    """out[j] = sum_p ws[p, j] in a fixed order (chunks of BLOCK_P rows, tree within a chunk)."""
-    pid = tl.program_id(0)
-    cols = pid.to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
-    cmask = cols < L
-    rows = tl.arange(0, BLOCK_P)
-    acc = tl.full([BLOCK_L], 0.0, tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        r = p0 + rows
-        tile = tl.load(
-            ws_ptr + r.to(tl.int64)[:, None] * L + cols[None, :],
-            mask=(r < P)[:, None] & cmask[None, :],
-            other=0.0,
-        )
-        acc += _sum(tile, 0)
-    acc = _round(acc, ROUND)
-    ptrs = tl.where(cols < L_A, out_a_ptr + cols, out_b_ptr + (cols - L_A))
-    tl.store(ptrs, acc, mask=cmask)
-
-
-def _sum_partials(ws: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor | None = None) -> None:
-    """Sum the rows of the fp32 workspace ``ws [P, L]`` into ``out_a`` (first numel columns) and
-    ``out_b`` (the rest); both outputs contiguous, same dtype."""
-    P, L = ws.shape
-    L_A = out_a.numel()
-    if out_b is None:
-        assert L_A == L
-        out_b = out_a
-    else:
-        assert L_A + out_b.numel() == L and out_b.dtype == out_a.dtype and out_b.is_contiguous()
-    assert out_a.is_contiguous() and ws.is_contiguous() and ws.dtype == torch.float32
-    # One [BLOCK_P, BLOCK_L] tile of <= 8K fp32 per step: all rows at once when P <= 1024 (the
-    # norm-weight partials: P <= 4 * SMs), so the reduce is one round trip, and wide column blocks
-    # when P is small (the split-N grad_hidden partials: P <= 8, many programs).
-    BLOCK_P = min(1024, triton.next_power_of_2(max(P, 1)))
-    BLOCK_L = max(8, min(1024, 8192 // BLOCK_P))
-    grid = (triton.cdiv(L, BLOCK_L),)
-    _sum_partials_kernel[grid](
-        ws, out_a, out_b, P, L, L_A,
-        ROUND=_ROUND_MODE[out_a.dtype], BLOCK_P=BLOCK_P, BLOCK_L=BLOCK_L, num_warps=4,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1046,7 +951,7 @@ def _launch_token_rows(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos
     """v5: the token-rows kernel on ``tensor_args`` (see qk_norm_rope_backward_triton), then _finish."""
     M, Bc, dev = B * S, cos.shape[0], q.device
     plan = _rows_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
-                      ROWS_PROGRAMS_PER_SM * _sms_of(q) if num_programs is None else num_programs,
+                      max(1, round(ROWS_PROGRAMS_PER_SM * sm_count(q))) if num_programs is None else num_programs,
                       ROWS_TOKENS)
     gw_ws = torch.empty((2 * plan.programs, D) if need_w else (1,), device=dev, dtype=torch.float32)
     cs_ws = torch.empty((plan.NS, M, 2 * D) if need_cs and not plan.cs_direct else (1,), device=dev,
@@ -1074,7 +979,7 @@ def _launch_head_tiles(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos
     """v3: the head-tiles kernel on ``tensor_args`` (see qk_norm_rope_backward_triton), then _finish."""
     M, Bc, dev = B * S, cos.shape[0], q.device
     plan = _elementwise_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
-                             ELEMENTWISE_PROGRAMS_PER_SM * _sms_of(q), num_programs,
+                             ELEMENTWISE_PROGRAMS_PER_SM * sm_count(q), num_programs,
                              ELEMENTWISE_TILE_ELEMENTS, ELEMENTWISE_MAX_TILES_PER_PROGRAM)
     gw_ws = torch.empty((plan.PQ + plan.PK, D) if need_w else (1,), device=dev, dtype=torch.float32)
     cs_ws = torch.empty((plan.nqb + plan.nkb, M, 2 * D) if need_cs else (1,), device=dev, dtype=torch.float32)
@@ -1089,230 +994,6 @@ def _launch_head_tiles(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos
     )
     return _finish(plan, gw_ws, cs_ws, plan.PQ, plan.PK, plan.nqb + plan.nkb, need_w, need_cs, q_weight,
                    k_weight, cos, sin, B, S, D)
-
-
-# ----------------------------------------------------------------------------------------------
-# 2. The projection GEMMs: grad_hidden = G @ W, grad_W = G.T @ hidden (+ bias grad)
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def _proj_bwd_fused_kernel(
-    g_ptr, g_sm, g_sn,  # grad_qkv G [M, N]
-    h_ptr, h_sm, h_sk,  # hidden H [M, K]
-    w_ptr, w_sn, w_sk,  # weight W [N, K]
-    gw_ptr, gw_sn, gw_sk,  # grad_W [N, K] (output)
-    acc_ptr, acc_sp, acc_sm, acc_sk,  # grad_hidden (SPLIT == 1) or fp32 partials [SPLIT, M, K]
-    bias_ptr,  # grad_bias [N] (output)
-    M, N, K, n_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COMPUTE_GW: tl.constexpr, HAS_BIAS: tl.constexpr,
-    ROUND: tl.constexpr, ACC_ROUND: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Program (k-tile, n-split): stream W[n-range, k-tile] once; emit grad_W tiles and a
-    grad_hidden partial acc[M, k-tile] over the n-range. The whole M is one tile (BLOCK_M >= M)."""
-    pid_k = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    m64 = offs_m.to(tl.int64)
-    k64 = offs_k.to(tl.int64)
-
-    if COMPUTE_GW:
-        h = tl.load(h_ptr + m64[:, None] * h_sm + k64[None, :] * h_sk,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if UPCAST:
-            h = h.to(tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_K], 0.0, tl.float32)
-
-    n_start = pid_s * n_per_split
-    n_end = tl.minimum(n_start + n_per_split, N)
-    for n0 in range(n_start, n_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_end
-        n64 = offs_n.to(tl.int64)
-        g = tl.load(g_ptr + m64[:, None] * g_sm + n64[None, :] * g_sn,
-                    mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + n64[:, None] * w_sn + k64[None, :] * w_sk,
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if HAS_BIAS:
-            if pid_k == 0:
-                gb = _sum(g.to(tl.float32), 0)
-                tl.store(bias_ptr + n64, _round(gb, ROUND), mask=n_mask)
-        if UPCAST:
-            g = g.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(g, w, acc, input_precision=PRECISION)
-        if COMPUTE_GW:
-            gw = tl.dot(tl.trans(g), h, input_precision=PRECISION)  # [BLOCK_N, BLOCK_K], sum over M
-            tl.store(gw_ptr + n64[:, None] * gw_sn + k64[None, :] * gw_sk, _round(gw, ROUND),
-                     mask=n_mask[:, None] & k_mask[None, :])
-
-    tl.store(acc_ptr + pid_s.to(tl.int64) * acc_sp + m64[:, None] * acc_sm + k64[None, :] * acc_sk,
-             _round(acc, ACC_ROUND), mask=m_mask[:, None] & k_mask[None, :])
-
-
-def _fused_gemm_config(M: int, K: int, sms: int) -> dict:
-    """Tiles for the fused kernel (documented in the module docstring)."""
-    block_m = max(16, triton.next_power_of_2(M))
-    if block_m > 256:
-        raise ValueError(f"fused projection backward handles M <= 256, got {M}")
-    block_k = 128 if block_m <= 128 else 64
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
-    num_warps = 8 if block_m * block_k >= 8192 else 4
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, num_warps=num_warps, num_stages=3)
-
-
-def _fused_split(N: int, k_tiles: int, sms: int, block_n: int) -> tuple[int, int]:
-    """(split count, n_per_split): about one program per SM, n_per_split a multiple of BLOCK_N."""
-    want = max(1, round(sms / k_tiles))
-    n_per_split = triton.cdiv(triton.cdiv(N, want), block_n) * block_n
-    return triton.cdiv(N, n_per_split), n_per_split
-
-
-def _launch_fused(grad_proj, hidden, weight, grad_weight, acc, acc_strides, split_offset, grad_bias,
-                  cfg, split, n_per_split, acc_round):
-    M, N = grad_proj.shape
-    K = hidden.shape[1]
-    interp = not grad_proj.is_cuda
-    dtype = grad_proj.dtype
-    compute_gw = grad_weight is not None
-    gw = grad_weight if compute_gw else weight  # placeholder pointer, never written
-    has_bias = grad_bias is not None
-    bias = grad_bias if has_bias else weight
-    acc_view = acc if split_offset == 0 else acc[split_offset:]
-    grid = (triton.cdiv(K, cfg["BLOCK_K"]), split)
-    _proj_bwd_fused_kernel[grid](
-        grad_proj, grad_proj.stride(0), grad_proj.stride(1),
-        hidden, hidden.stride(0), hidden.stride(1),
-        weight, weight.stride(0), weight.stride(1),
-        gw, gw.stride(0), gw.stride(1),
-        acc_view, *acc_strides,
-        bias,
-        M, N, K, n_per_split,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        COMPUTE_GW=compute_gw, HAS_BIAS=has_bias,
-        ROUND=_ROUND_MODE[dtype], ACC_ROUND=acc_round,
-        UPCAST=interp, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-
-def fused_gemm_applicable(grad_proj: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        triton_applicable(grad_proj)
-        and grad_proj.dtype in SUPPORTED_DTYPES
-        and grad_proj.dtype == hidden.dtype == weight.dtype
-        and 0 < grad_proj.shape[0] <= 256
-    )
-
-
-def _projections_backward_fused(grads, hidden, weights, need_hidden_grad, need_weight_grad, need_bias_grad):
-    """Fused kernel over one or several projections sharing ``hidden``; grad_hidden partials of all
-    of them go to one workspace and one fixed-order reduce (or straight to grad_hidden)."""
-    M, K = hidden.shape
-    dev, dtype = hidden.device, hidden.dtype
-    sms = _sms_of(hidden)
-    cfg = _fused_gemm_config(M, K, sms)
-    k_tiles = triton.cdiv(K, cfg["BLOCK_K"])
-    splits = [_fused_split(g.shape[1], k_tiles, sms, cfg["BLOCK_N"]) for g in grads]
-    total_split = sum(s for s, _ in splits)
-    grad_hidden = torch.empty((M, K), device=dev, dtype=dtype) if need_hidden_grad else None
-    direct = need_hidden_grad and total_split == 1
-    if direct:
-        acc, acc_strides, acc_round = grad_hidden, (0, K, 1), _ROUND_MODE[dtype]
-    else:
-        acc = torch.empty((total_split, M, K), device=dev, dtype=torch.float32)
-        acc_strides, acc_round = (M * K, K, 1), _ROUND_NONE
-    grad_weights, grad_biases = [], []
-    offset = 0
-    for g, w, (split, n_per_split) in zip(grads, weights, splits):
-        gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_weight_grad else None
-        gb = torch.empty((w.shape[0],), device=dev, dtype=dtype) if need_bias_grad else None
-        _launch_fused(g, hidden, w, gw, acc, acc_strides, offset, gb, cfg, split, n_per_split, acc_round)
-        offset += split
-        grad_weights.append(gw)
-        grad_biases.append(gb)
-    if need_hidden_grad and not direct:
-        _sum_partials(acc.view(total_split, M * K), grad_hidden)
-    return grad_hidden, grad_weights, grad_biases
-
-
-def qkv_projection_backward(
-    grad_qkv: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    need_hidden_grad: bool = True,
-    need_weight_grad: bool = True,
-    need_bias_grad: bool = False,
-    strategy: str = "auto",
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(grad_hidden [M, K], grad_weight [N, K], grad_bias [N] or None) of ``qkv = hidden @ W.T (+b)``.
-
-    strategy: "auto" (fused Triton kernel for M <= FUSED_GEMM_MAX_M where Triton runs, else torch),
-    "fused", "torch" (two cuBLAS calls), or "triton_gh" (fused kernel for grad_hidden only, grad_W
-    by cuBLAS: a measurement variant).
-    """
-    M, N = grad_qkv.shape
-    if hidden.shape[0] != M or weight.shape != (N, hidden.shape[1]):
-        raise ValueError(f"qkv_projection_backward: shapes grad_qkv {tuple(grad_qkv.shape)}, hidden "
-                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)} do not fit")
-    if strategy == "auto":
-        use_fused = fused_gemm_applicable(grad_qkv, hidden, weight) and M <= FUSED_GEMM_MAX_M
-        strategy = "fused" if use_fused else "torch"
-    if strategy == "fused":
-        gh, gws, gbs = _projections_backward_fused([grad_qkv], hidden, [weight], need_hidden_grad,
-                                                   need_weight_grad, need_bias_grad)
-        return gh, gws[0], gbs[0]
-    if strategy == "triton_gh":
-        gh, _, gbs = _projections_backward_fused([grad_qkv], hidden, [weight], need_hidden_grad,
-                                                 False, need_bias_grad)
-        gw = torch.mm(grad_qkv.t(), hidden) if need_weight_grad else None
-        return gh, gw, gbs[0]
-    if strategy != "torch":
-        raise ValueError(f"qkv_projection_backward: unknown strategy {strategy!r}")
-    gh = torch.mm(grad_qkv, weight) if need_hidden_grad else None
-    gw = torch.mm(grad_qkv.t(), hidden) if need_weight_grad else None
-    gb = grad_qkv.sum(0) if need_bias_grad else None
-    return gh, gw, gb
-
-
-def separate_projections_backward(
-    grads: list[torch.Tensor],
-    hidden: torch.Tensor,
-    weights: list[torch.Tensor],
-    need_hidden_grad: bool = True,
-    need_weight_grad: bool = True,
-    need_bias_grad: bool = False,
-    strategy: str = "auto",
-) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """Separate q/k/v projections (``q = hidden @ Wq.T`` ...): grad_hidden = sum_i grads[i] @ W_i
-    accumulated without an extra pass, and each grad_W_i = grads[i].T @ hidden.
-
-    torch path: ``mm`` then ``addmm_(beta=1)`` into the same buffer (one rounding per add, as
-    autograd's accumulation). fused path: all splits of all projections in one fp32 workspace,
-    one reduce.
-    """
-    if len(grads) != len(weights) or not grads:
-        raise ValueError("separate_projections_backward: one weight per grad, at least one")
-    M = hidden.shape[0]
-    if strategy == "auto":
-        ok = all(fused_gemm_applicable(g, hidden, w) for g, w in zip(grads, weights))
-        strategy = "fused" if ok and M <= FUSED_GEMM_MAX_M else "torch"
-    if strategy == "fused":
-        return _projections_backward_fused(grads, hidden, weights, need_hidden_grad, need_weight_grad,
-                                           need_bias_grad)
-    if strategy != "torch":
-        raise ValueError(f"separate_projections_backward: unknown strategy {strategy!r}")
-    gh = None
-    if need_hidden_grad:
-        gh = torch.mm(grads[0], weights[0])
-        for g, w in zip(grads[1:], weights[1:]):
-            gh.addmm_(g, w)
-    gws = [torch.mm(g.t(), hidden) if need_weight_grad else None for g in grads]
-    gbs = [g.sum(0) if need_bias_grad else None for g in grads]
-    return gh, gws, gbs
 
 
 def full_backward_triton(
@@ -1347,6 +1028,6 @@ def full_backward_triton(
         need_weight_grad=need_norm_weight_grad, need_cos_sin_grad=need_cos_sin_grad,
     )
     gh, gw, gb = qkv_projection_backward(grad_qkv, hidden, weight, need_bias_grad=need_bias_grad,
-                                         strategy=gemm_strategy)
+                                         strategy=gemm_strategy)  # kernels/projection_backward.py
     return dict(grad_hidden=gh, grad_weight=gw, grad_bias=gb, grad_q_weight=gqw, grad_k_weight=gkw,
                 grad_cos=gcos, grad_sin=gsin, grad_qkv=grad_qkv)

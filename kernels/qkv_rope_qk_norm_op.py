@@ -53,11 +53,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .qkv_rope_qk_norm_backward_triton import (
-    qk_norm_rope_backward_triton,
-    qkv_projection_backward,
-    separate_projections_backward,
-)
+from .projection_backward import qkv_projection_backward, separate_projections_backward
+from .qkv_rope_qk_norm_backward_triton import qk_norm_rope_backward_triton
 from .qkv_rope_qk_norm_reference import (
     qk_norm_rope_backward_reference,
     qkv_projection_backward_reference,

@@ -1,0 +1,94 @@
+"""Host cost of launching our kernels, and the device timeline of one small-M backward op call.
+
+    python benchmarks/diagnose_launch_overhead.py --out DIR
+
+1. A Triton kernel with the elementwise pass's argument count (14 tensors, 42 ints): host us per
+   launch through ``kernel[grid](...)`` and through the compiled handle's ``run`` (binder skipped).
+2. torch.profiler of the backward op at M = 128 and 512: each device kernel's duration, in order.
+Writes DIR/diagnose-launch-overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import bench_backward as bb  # noqa: E402
+from diagnose_device_time import host_us  # noqa: E402
+
+import fusion_pass.kernels  # noqa: E402,F401  (registers the ops)
+
+
+@triton.jit
+def _many_args_kernel(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13,
+                      i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15, i16, i17, i18, i19,
+                      i20, i21, i22, i23, i24, i25, i26, i27, i28, i29, i30, i31, i32, i33, i34, i35, i36, i37,
+                      i38, i39, i40, i41, C0: tl.constexpr, C1: tl.constexpr):
+    pass
+
+
+def launch_costs():
+    ptrs = [torch.empty(64, device="cuda") for _ in range(14)]
+    ints = [4096 * (i + 1) for i in range(42)]
+    normal = host_us(lambda: _many_args_kernel[(128,)](*ptrs, *ints, C0=1, C1=2))
+    k = _many_args_kernel[(128,)](*ptrs, *ints, C0=1, C1=2)
+    dev = torch.cuda.current_device()
+
+    def direct():
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        k.run(128, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *ptrs, *ints, 1, 2)
+
+    direct_us = host_us(direct)
+    res = dict(launch_56_args_us=normal, direct_run_56_args_us=direct_us,
+               torch_empty_us=host_us(lambda: torch.empty((256, 128), device="cuda")))
+    print("host us: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
+    return res
+
+
+def timeline(S, B):
+    t = bb.make_inputs(S, B, "cuda")
+
+    def op():
+        return torch.ops.fusion_pass.qkv_rope_qk_norm_backward(
+            t["gq"], t["gk"], t["gv"], t["q"], t["k"], t["rq"], t["rk"], t["cos"], t["sin"], t["wq"], t["wk"],
+            t["hidden"], [t["W"]], False, True, True, True, True)
+
+    for _ in range(3):
+        op()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            op()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_call = len(events) // 5
+    last = events[-per_call:]
+    rows = [dict(name=e.name[:80], us=e.device_time) for e in last]
+    print(f"S={S} B={B}: " + "; ".join(f"{r['name'][:40]} {r['us']:.1f}" for r in rows), flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.date.today().isoformat())
+    res["launch"] = launch_costs()
+    res["timeline"] = {f"S{S}_B{B}": timeline(S, B) for S, B in ((128, 1), (512, 1), (2048, 2))}
+    (out / "diagnose-launch-overhead.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
