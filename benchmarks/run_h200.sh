@@ -35,6 +35,15 @@ run_tests_kernels() {
     tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py 2>&1 | tee "$out/gpu-tests.log" | tail -15
 }
 case "$stage" in
+  probe-gw) # Session 5: does grad_W's store overlap its MMAs? warp specialization, ncu of the table config.
+       log="$out/probe-gw.log"
+       timeout 150 python3 benchmarks/probe_grad_weight_overlap.py --out "$out" 2>&1 | tee -a "$log" | grep -E "^M="
+       timeout 120 ncu --clock-control none --kernel-name regex:_grad_weight_tma --launch-skip 2 --launch-count 1 \
+         --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+         python3 benchmarks/probe_grad_weight_overlap.py --calls 3 > "$out/ncu-gw.txt" 2>&1
+       echo "ncu rc $?" | tee -a "$log"
+       grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers|Achieved Occupancy|Stall|Warp Cycles Per Issued|Block Limit" \
+         "$out/ncu-gw.txt" | head -24 | tee -a "$log" ;;
   final5) # Session 5, last call: projection + backward kernel GPU tests, training step, suite B with
        # the GEMM-route columns. One log (the device tool returns at most 8 files).
        log="$out/final5.log"

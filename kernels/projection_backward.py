@@ -168,7 +168,8 @@ def _grad_weight_tma_kernel(
     gw_desc,  # grad_weight [N, K], blocks [BLOCK_N, BLOCK_K]
     M, N, K, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, FLATTEN: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Persistent: program p owns output tiles p, p + P, ...; TMA loads (out-of-range rows read
     as zeros) and an asynchronous TMA store, so one tile's store overlaps the next tile's loads
@@ -176,7 +177,8 @@ def _grad_weight_tma_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     total = tl.cdiv(N, BLOCK_N) * k_tiles
     m_steps = tl.cdiv(M, BLOCK_M)
-    for tile in tl.range(tl.program_id(0), total, num_programs, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), total, num_programs, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         n0 = (tile // k_tiles) * BLOCK_N
         k0 = (tile % k_tiles) * BLOCK_K
         acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
@@ -245,6 +247,7 @@ class GradWeightConfig:
     tma: bool = False  # persistent TMA kernel (programs_per_sm programs per SM)
     programs_per_sm: int = 1
     flatten: bool = False
+    warp_specialize: bool = False  # producer/consumer warps (a probe: benchmarks/probe_grad_weight_overlap.py)
 
 
 def gemm_configs(M: int) -> tuple[GradInputConfig, GradWeightConfig]:
@@ -367,7 +370,8 @@ def grad_weight_into(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
             TensorDescriptor.from_tensor(out, [cfg.block_n, cfg.block_k]),
             M, N, K, programs,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, INTERPRETED=not grad.is_cuda,
+            NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            INTERPRETED=not grad.is_cuda,
             PRECISION=_precision(grad.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return
