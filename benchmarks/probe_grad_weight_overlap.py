@@ -39,6 +39,9 @@ def variants(M: int) -> dict[str, pb.GradWeightConfig]:
         "warp_specialize_no_flatten": dataclasses.replace(base, warp_specialize=True, flatten=False),
         "2 programs/SM": dataclasses.replace(base, programs_per_sm=2),
         "32x128x128 4 warps 3/SM": pb.GradWeightConfig(32, 128, 128, 4, 4, True, 3, True),
+        "2 store slices": dataclasses.replace(base, store_slices=2),
+        "2 store slices 4 stages": dataclasses.replace(base, store_slices=2, num_stages=4),
+        "2 store slices BM 32 6 stages": dataclasses.replace(base, store_slices=2, block_m=32, num_stages=6),
     }
 
 
@@ -59,7 +62,7 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     rows = []
-    for M in (128, 256, 512):
+    for M in (128, 256, 512, 586):
         G = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=gen)
         X = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref = torch.mm(G.t(), X)

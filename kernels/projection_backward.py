@@ -165,11 +165,11 @@ def _grad_weight_kernel(
 def _grad_weight_tma_kernel(
     g_desc,  # G [M, N], blocks [BLOCK_M, BLOCK_N]
     x_desc,  # X [M, K], blocks [BLOCK_M, BLOCK_K]
-    gw_desc,  # grad_weight [N, K], blocks [BLOCK_N, BLOCK_K]
+    gw_desc,  # grad_weight [N, K], blocks [BLOCK_N, BLOCK_K // STORE_SLICES]
     M, N, K, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_SLICES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Persistent: program p owns output tiles p, p + P, ...; TMA loads (out-of-range rows read
     as zeros) and an asynchronous TMA store, so one tile's store overlaps the next tile's loads
@@ -189,7 +189,13 @@ def _grad_weight_tma_kernel(
                 g = g.to(tl.float32)
                 x = x.to(tl.float32)
             acc = tl.dot(tl.trans(g), x, acc, input_precision=PRECISION)
-        gw_desc.store([n0, k0], round_to(acc, gw_desc.dtype, INTERPRETED).to(gw_desc.dtype))
+        out = round_to(acc, gw_desc.dtype, INTERPRETED).to(gw_desc.dtype)
+        if STORE_SLICES == 2:  # two half-width stores: half the staging buffer, room for a load stage
+            lo, hi = out.reshape(BLOCK_N, 2, BLOCK_K // 2).permute(0, 2, 1).split()
+            gw_desc.store([n0, k0], lo)
+            gw_desc.store([n0, k0 + BLOCK_K // 2], hi)
+        else:
+            gw_desc.store([n0, k0], out)
 
 
 @triton.jit
@@ -248,6 +254,7 @@ class GradWeightConfig:
     programs_per_sm: int = 1
     flatten: bool = False
     warp_specialize: bool = False  # producer/consumer warps (a probe: benchmarks/probe_grad_weight_overlap.py)
+    store_slices: int = 1  # 1 or 2 TMA stores per output tile (2: half the epilogue's shared memory)
 
 
 def gemm_configs(M: int) -> tuple[GradInputConfig, GradWeightConfig]:
@@ -367,11 +374,11 @@ def grad_weight_into(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
         _grad_weight_tma_kernel[(programs,)](
             TensorDescriptor.from_tensor(grad, [cfg.block_m, cfg.block_n]),
             TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]),
-            TensorDescriptor.from_tensor(out, [cfg.block_n, cfg.block_k]),
+            TensorDescriptor.from_tensor(out, [cfg.block_n, cfg.block_k // cfg.store_slices]),
             M, N, K, programs,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
-            INTERPRETED=not grad.is_cuda,
+            STORE_SLICES=cfg.store_slices, INTERPRETED=not grad.is_cuda,
             PRECISION=_precision(grad.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return

@@ -47,6 +47,8 @@ GW_CONFIGS = {
     "pointer": pb.GradWeightConfig(16, 32, 32, 4, 2),
     "tma": pb.GradWeightConfig(16, 32, 32, 4, 2, tma=True, programs_per_sm=2),
     "tma_flatten": pb.GradWeightConfig(16, 32, 32, 4, 2, tma=True, programs_per_sm=1, flatten=True),
+    "tma_two_store_slices": pb.GradWeightConfig(16, 32, 64, 4, 2, tma=True, programs_per_sm=1, flatten=True,
+                                                store_slices=2),
 }
 
 
