@@ -328,7 +328,7 @@ def run_gpu(args) -> int:
                    elementwise_us=elementwise_us, gemm_us=gemm_us, gemm_variants_us=variants or None,
                    fusion_pass_graph_us=fusion_graph_us, elementwise_graph_us=elementwise_graph_us,
                    gemms_graph_us=gemms_graph_us,
-                   gemm_route="torch",  # what strategy "auto" runs
+                   gemm_route=pb.AUTO_STRATEGY,  # what strategy "auto" runs
                    rel_err=err, rel_err_per_output=dict(zip(
                        ("grad_hidden", "grad_cos", "grad_sin", "grad_W", "grad_q_norm_w", "grad_k_norm_w"), errs)),
                    eager_rel_err=eager_err, stock_compile_rel_err=stock_err,
@@ -360,7 +360,7 @@ def run_gpu(args) -> int:
                    small_m_faster_than_gemms={f"{r['S']}x{r['B']}": r["fusion_pass_us"] < r["gemms_us"]
                                               for r in rows if r["M"] <= 586},
                    config=dict(ELEMENTWISE_PROGRAMS_PER_SM=kb.ELEMENTWISE_PROGRAMS_PER_SM,
-                               gemm_auto_strategy="torch"),
+                               gemm_auto_strategy=pb.AUTO_STRATEGY),
                    cases=rows)
     stem = out_dir / f"{date}-h200-backward"
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))

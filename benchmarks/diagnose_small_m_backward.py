@@ -25,7 +25,6 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import bench_backward as bb  # noqa: E402

@@ -13,7 +13,8 @@ weights; grad_input accumulates over them without an extra pass) route to one of
   Graph replay, N = 6144, K = 4096: M = 128 45.6 -> 42.9 us, M = 512 87.9 -> 79.1, no gain from
   M = 586 up; it adds ~30-40 us of host time per call (stream switches, events), so it only pays
   inside a CUDA graph.
-- ``"triton"``: the Triton kernels of this module, tiles from ``gemm_configs(M)``.
+- ``"triton"``: the Triton kernels of this module, tiles from ``gemm_configs(M)``; empty operands
+  and dtypes other than bf16/fp16/fp32 take the cuBLAS route.
 
 The Triton kernels, shaped for a short M (``y`` of a few hundred tokens, where both products are
 bound by W read and grad_weight written, 2 * N * K elements):
@@ -63,10 +64,6 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
-
-
-
-
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -168,15 +165,17 @@ def _grad_weight_tma_kernel(
     gw_desc,  # grad_weight [N, K], blocks [BLOCK_N, BLOCK_K // STORE_SLICES]
     M, N, K, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     STORE_SLICES: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Persistent: program p owns output tiles p, p + P, ...; TMA loads (out-of-range rows read
     as zeros) and an asynchronous TMA store, so one tile's store overlaps the next tile's loads
     and MMAs (a write-bound kernel at small M)."""
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    total = tl.cdiv(N, BLOCK_N) * k_tiles
-    m_steps = tl.cdiv(M, BLOCK_M)
+    # plain arithmetic, not tl.cdiv: a jit library function breaks the interpreter when triton
+    # was imported before TRITON_INTERPRET=1 was set (see kernels/qkv_rope_qk_norm_backward_triton._sum)
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    total = (N + BLOCK_N - 1) // BLOCK_N * k_tiles
+    m_steps = (M + BLOCK_M - 1) // BLOCK_M
     for tile in tl.range(tl.program_id(0), total, num_programs, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
         n0 = (tile // k_tiles) * BLOCK_N
@@ -257,16 +256,18 @@ class GradWeightConfig:
     store_slices: int = 1  # 1 or 2 TMA stores per output tile (2: half the epilogue's shared memory)
 
 
-def gemm_configs(M: int) -> tuple[GradInputConfig, GradWeightConfig]:
-    """The tiles for ``M`` tokens: the fastest of the H200 sweep (N = 6144, K = 4096, session 5 of
-    2026-11-29, ``results/2026-11-29-h200-sweep-projection-gemms-2.json``) per range of M.
+def gemm_configs(M: int, element_size: int = 2) -> tuple[GradInputConfig, GradWeightConfig]:
+    """The tiles for ``M`` tokens: the fastest of the H200 sweep (bf16, N = 6144, K = 4096, session 5
+    of 2026-11-29, ``results/2026-11-29-h200-sweep-projection-gemms-2.json``) per range of M.
 
     grad_input: 64 x 128 output tiles split to 2 programs / SM up to M = 256; 128-row tiles (one
-    program / SM, no split at M = 512: 128 tiles) above; an M just past a multiple of 128 (131)
-    did best with a 256-wide K tile and pointer loads. grad_weight: the persistent TMA kernel,
-    64 x 256 K-tiles when M is a multiple of 64 (no ragged last step), else 32-row steps.
+    program / SM, no split at M = 512: 128 tiles) above; an M just past 128 (131) did best with a
+    256-wide K tile and pointer loads. grad_weight: the persistent TMA kernel, 64 x 256 K-tiles
+    when M is a multiple of 64 (no ragged last step), else 32-row steps. Wider elements (fp32)
+    get fewer pipeline stages, then narrower K tiles, until the tiles fit in shared memory
+    (``_fit_shared_memory``; fp32 was not swept).
     """
-    if M % 128 and M % 128 <= 16 and M < 256:
+    if 128 < M <= 144:
         gi = GradInputConfig(128, 64, 256, 8, 3, 1.0, False)
     elif M <= 256:
         gi = GradInputConfig(64, 64, 128, 4, 4, 2.0, True)
@@ -278,7 +279,32 @@ def gemm_configs(M: int) -> tuple[GradInputConfig, GradWeightConfig]:
         gw = GradWeightConfig(64, 128, 256, 8, 3, True, 1, True)
     else:
         gw = GradWeightConfig(32, 128, 128, 4, 4, True, 2, True)
-    return gi, gw
+    return _fit_shared_memory(gi, element_size), _fit_shared_memory(gw, element_size)
+
+
+# Bytes of shared memory per program the table may plan for: H100/H200 allow 227 KB per block; the
+# largest swept config (bf16 grad_W, 64 x 128 x 256, 3 stages) estimates 208 KB here, ncu: 213 KB.
+SHARED_MEMORY_BUDGET = 220 * 1024
+
+
+def _shared_bytes(cfg, element_size: int) -> int:
+    """Pipelined loads (num_stages copies of both operand tiles), plus grad_weight's TMA store tile."""
+    if isinstance(cfg, GradInputConfig):
+        return cfg.num_stages * (cfg.block_m * cfg.block_n + cfg.block_n * cfg.block_k) * element_size
+    store = cfg.block_n * cfg.block_k // cfg.store_slices if cfg.tma else 0
+    return (cfg.num_stages * (cfg.block_m * cfg.block_n + cfg.block_m * cfg.block_k) + store) * element_size
+
+
+def _fit_shared_memory(cfg, element_size: int):
+    """``cfg`` with fewer stages (down to 2), then halved K tiles, until ``_shared_bytes`` fits."""
+    while _shared_bytes(cfg, element_size) > SHARED_MEMORY_BUDGET:
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 32:
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+        else:
+            break
+    return cfg
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -313,7 +339,7 @@ def grad_input_partials(grads: list[torch.Tensor], weights: list[torch.Tensor],
     M = grads[0].shape[0]
     K = weights[0].shape[1]
     dev, dtype = grads[0].device, grads[0].dtype
-    cfg = cfg or gemm_configs(M)[0]
+    cfg = cfg or gemm_configs(M, grads[0].element_size())[0]
     sms = sm_count(grads[0])
     m_tiles = triton.cdiv(M, cfg.block_m)
     k_tiles = triton.cdiv(K, cfg.block_k)
@@ -366,7 +392,7 @@ def grad_weight_into(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
     outputs the caller allocates on its own stream)."""
     M, N = grad.shape
     K = x.shape[1]
-    cfg = cfg or gemm_configs(M)[1]
+    cfg = cfg or gemm_configs(M, grad.element_size())[1]
     k_tiles = triton.cdiv(K, cfg.block_k)
     if cfg.tma and _tma_ok(grad, x, out):
         total = triton.cdiv(N, cfg.block_n) * k_tiles
@@ -377,7 +403,7 @@ def grad_weight_into(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
             TensorDescriptor.from_tensor(out, [cfg.block_n, cfg.block_k // cfg.store_slices]),
             M, N, K, programs,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+            FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
             STORE_SLICES=cfg.store_slices, INTERPRETED=not grad.is_cuda,
             PRECISION=_precision(grad.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -396,7 +422,28 @@ def grad_weight_into(grad: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
 # Routing
 # ----------------------------------------------------------------------------------------------
 STRATEGIES = ("auto", "torch", "streams", "triton")
+AUTO_STRATEGY = "torch"  # what "auto" runs (module docstring: why)
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+
+def _check_projection_args(fn: str, grads, hidden, weights) -> None:
+    """2-D operands on one device in one dtype, grads[i] [M, N_i], weights[i] [N_i, K], hidden
+    [M, K]; a ValueError names the first argument that does not fit."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"{fn}: hidden: expected a 2-D [M, K] tensor, got "
+                         f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
+    M, K = hidden.shape
+    for i, (g, w) in enumerate(zip(grads, weights)):
+        for name, t in ((f"grads[{i}]", g), (f"weights[{i}]", w)):
+            if t.dim() != 2:
+                raise ValueError(f"{fn}: {name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+            if t.dtype != hidden.dtype or t.device != hidden.device:
+                raise ValueError(f"{fn}: {name}: expected hidden's dtype {hidden.dtype} on {hidden.device}, "
+                                 f"got {t.dtype} on {t.device}")
+        if g.shape[0] != M:
+            raise ValueError(f"{fn}: grads[{i}]: expected [M = {M}, N], got {tuple(g.shape)}")
+        if tuple(w.shape) != (g.shape[1], K):
+            raise ValueError(f"{fn}: weights[{i}]: expected [N = {g.shape[1]}, K = {K}], got {tuple(w.shape)}")
 
 
 def qkv_projection_backward(
@@ -410,11 +457,8 @@ def qkv_projection_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(grad_hidden [M, K], grad_weight [N, K], grad_bias [N]) of ``qkv = hidden @ W.T (+ b)``, None
     where not requested. grad_qkv [M, N] and hidden [M, K] any strides, weight [N, K].
-    strategy: one of ``STRATEGIES`` (module docstring); "auto" is "torch"."""
-    M, N = grad_qkv.shape
-    if hidden.dim() != 2 or hidden.shape[0] != M or tuple(weight.shape) != (N, hidden.shape[1]):
-        raise ValueError(f"qkv_projection_backward: shapes grad_qkv {tuple(grad_qkv.shape)}, hidden "
-                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)} do not fit [M, N], [M, K], [N, K]")
+    strategy: one of ``STRATEGIES`` (module docstring); "auto" is ``AUTO_STRATEGY``.
+    (Argument errors name ``grads[0]`` for grad_qkv and ``weights[0]`` for weight.)"""
     gh, gws, gbs = separate_projections_backward([grad_qkv], hidden, [weight], need_hidden_grad, need_weight_grad,
                                                  need_bias_grad, strategy)
     return gh, gws[0], gbs[0]
@@ -437,14 +481,19 @@ def separate_projections_backward(
                          f"got {len(grads)} and {len(weights)}")
     if strategy not in STRATEGIES:
         raise ValueError(f"separate_projections_backward: strategy: expected one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "triton" and triton_applicable(hidden):
+    _check_projection_args("separate_projections_backward", grads, hidden, weights)
+    if strategy == "auto":
+        strategy = AUTO_STRATEGY
+    empty = min(hidden.shape[0], hidden.shape[1], *(g.shape[1] for g in grads)) == 0
+    if strategy == "triton" and triton_applicable(hidden) and hidden.dtype in TRITON_DTYPES and not empty:
         return _triton_backward(grads, hidden, weights, need_hidden_grad, need_weight_grad, need_bias_grad)
     return _cublas_backward(grads, hidden, weights, need_hidden_grad, need_weight_grad, need_bias_grad,
                             two_streams=strategy == "streams")
 
 
 def _triton_backward(grads, hidden, weights, need_hidden_grad, need_weight_grad, need_bias_grad):
-    gi_cfg, gw_cfg = gemm_configs(hidden.shape[0])
+    """The Triton kernels (non-empty operands in a dtype of ``TRITON_DTYPES``; others take cuBLAS)."""
+    gi_cfg, gw_cfg = gemm_configs(hidden.shape[0], hidden.element_size())
     gh = grad_input_partials(grads, weights, gi_cfg) if need_hidden_grad else None
     # The bias sum stays in torch: a pointer-kernel variant that summed it alongside the MMA
     # returned a wrong grad_weight on the H200 with 64 x 128 x 256 tiles and 8 warps (Triton 3.6,

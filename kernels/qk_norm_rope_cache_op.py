@@ -34,11 +34,11 @@ the Triton kernel; elsewhere the PyTorch reference.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .qk_norm_rope_cache_reference import NORM_STYLES, qk_norm_rope_cache_reference
+from .triton_device import triton_applicable
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -140,10 +140,6 @@ def check_qk_norm_rope_cache_args(
             fail(name, f"q's device {q.device}", t.device)
 
 
-def _use_triton(q: torch.Tensor) -> bool:
-    return q.is_cuda or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
 # Defined with torch.library.Library rather than torch.library.custom_op: the custom_op wrapper
 # costs ~40 us of host time per call for an op with mutated arguments (measured on the CPU CI
 # machine: 40.9 us vs 4.4 us for the same schema), which is paid by every layer of every step
@@ -223,7 +219,7 @@ def qk_norm_rope_cache(
     """
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm,
                                   rotary_dim, interleaved)
-    if _use_triton(q):
+    if triton_applicable(q):
         from .qk_norm_rope_cache_triton import qk_norm_rope_cache_triton
 
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)

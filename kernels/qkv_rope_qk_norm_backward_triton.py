@@ -33,8 +33,8 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    bits as eager's fp32 op + round) or one ``cvt.rn`` and never contracts a rounded product into
    an FMA; under the interpreter, whose fp32 -> bf16 cast truncates, integer RNE on the fp32 bit
    pattern for bf16 (numpy's correctly rounding cast for fp16). Both are RNE: same bits. Only
-   the final rounding of fp32 accumulators (``_round``: the partial-sum kernels and the fused
-   GEMM kernel's stores, once per output element) uses the integer RNE on the GPU as well.
+   the final rounding of fp32 accumulators (``_round``: the partial-sum kernels, once per output
+   element) uses the integer RNE on the GPU as well.
    (v1 used the integer RNE for every rounding on the GPU: ~8 integer ops x ~14 roundings per
    element made the pass compute-bound; v2 an opaque inline-PTX ``cvt.rn`` for each: still
    ~3 instructions per rounding.)
@@ -122,7 +122,7 @@ ROWS_NUM_WARPS = 4
 # v5: software-pipelining depth of the loop over heads (async copies). Measured at M = 8192:
 # 1 stage 128.9 us, 2: 138.3, 3: 102.0, 4: 99.0 (4 also best at M = 512, 2048, 4096).
 ROWS_STAGES = 4
-ROWS_PROGRAMS_PER_SM = 1  # v5: head slices are added until the grid has this many programs per SM
+ROWS_PROGRAMS_PER_SM = 1  # v5: head slices are added until the grid has round(this * SMs) programs
 ELEMENTWISE_PROGRAMS_PER_SM = 12  # program-count target of the elementwise pass, per SM (~4 waves)
 ELEMENTWISE_MAX_TILES_PER_PROGRAM = 4  # cap on the token tiles one elementwise program walks
 ELEMENTWISE_TILE_ELEMENTS = 4096  # elements (heads x tokens x D) per elementwise tile
@@ -134,10 +134,6 @@ COMPILE_OPTIONS = dict(enable_fp_fusion=False)
 _ROUND_NONE, _ROUND_BF16, _ROUND_FP16 = 0, 1, 2
 _ROUND_MODE = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
 SUPPORTED_DTYPES = tuple(_ROUND_MODE)
-
-
-
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -751,7 +747,6 @@ def _elementwise_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w
         BLOCK_P=block_p, BLOCK_L=block_l, w_programs=2 * _cdiv(D, block_l) if need_w else 0,
         BLOCK_2D=block_2d, BLOCK_T=block_t, cs_programs=_cdiv(Bc * S, block_t) if need_cs else 0,
     )
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,10 +35,11 @@ inverse rotation, exact only when cos^2 + sin^2 == 1 (the published SOL-ExecBenc
 applies a second forward rotation there, so its grad_cos / grad_sin differ from autograd's), and
 would cost one more [B, S, H, D] tensor per q and k in memory.
 
-On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the backward runs the Triton kernels of
-``qkv_rope_qk_norm_backward_triton`` (imported with this module: a broken import fails loudly
-instead of silently sending CUDA training to the slow path); elsewhere the PyTorch reference
-(``qkv_rope_qk_norm_reference``), which has the same function signatures.
+On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the backward runs the Triton elementwise pass
+of ``qkv_rope_qk_norm_backward_triton`` and the GEMM routes of ``projection_backward`` (both
+imported with this module: a broken import fails loudly instead of silently sending CUDA
+training to the slow path); elsewhere the PyTorch reference (``qkv_rope_qk_norm_reference``),
+which has the same function signatures.
 The forward runs the PyTorch reference on every device (one GEMM, or three, plus eager
 elementwise ops; a fused Triton forward is future work). For a fused weight its v output is a
 copy of the v columns (outputs of a custom op may not alias each other or the saved output).
@@ -47,7 +48,6 @@ copy of the v columns (outputs of a custom op may not alias each other or the sa
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import torch
@@ -55,6 +55,7 @@ from torch import Tensor
 
 from .projection_backward import qkv_projection_backward, separate_projections_backward
 from .qkv_rope_qk_norm_backward_triton import qk_norm_rope_backward_triton
+from .triton_device import triton_applicable
 from .qkv_rope_qk_norm_reference import (
     qk_norm_rope_backward_reference,
     qkv_projection_backward_reference,
@@ -308,10 +309,6 @@ def check_qkv_rope_qk_norm_backward_args(
             fail(name, "a contiguous last dim (stride(-1) == 1)", f"strides {tuple(t.stride())}")
 
 
-def _use_triton(t: Tensor) -> bool:
-    return t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
 _REFERENCE = (qk_norm_rope_backward_reference, qkv_projection_backward_reference,
               separate_projections_backward_reference)
 
@@ -322,7 +319,7 @@ _TRITON = (qk_norm_rope_backward_triton, qkv_projection_backward, separate_proje
 def backward_implementation(t: Tensor) -> tuple[Callable, Callable, Callable]:
     """(elementwise backward, fused-projection backward, separate-projections backward) for
     tensors like ``t``: the Triton kernels, or the references (same signatures)."""
-    return _TRITON if _use_triton(t) else _REFERENCE
+    return _TRITON if triton_applicable(t) else _REFERENCE
 
 
 @torch.library.custom_op("fusion_pass::qkv_rope_qk_norm_backward", mutates_args=())

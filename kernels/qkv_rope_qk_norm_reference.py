@@ -11,8 +11,8 @@ Autograd dispatch key). Its elementwise part computes in fp32 and rounds to the 
 where eager's backward crosses the norm's cast and at its outputs (autograd, and the Triton
 kernel that mirrors it, also round after each bf16 product: the results agree within bf16
 ulps); the projection GEMMs run in the model dtype like eager's. Its functions have the same
-signatures as those of ``qkv_rope_qk_norm_backward_triton``, so the op switches between the two
-with one line. float64 inputs (gradcheck) are computed in float64 throughout.
+signatures as the Triton paths (``qkv_rope_qk_norm_backward_triton`` for the elementwise part,
+``projection_backward`` for the GEMMs), so the op switches between the two with one line. float64 inputs (gradcheck) are computed in float64 throughout.
 
 Shapes (``M = B * S``; ``Nq = Hq * D``; ``Nkv = Hkv * D``)::
 

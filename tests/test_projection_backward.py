@@ -57,6 +57,7 @@ GW_CONFIGS = {
     (37, 160, 304, torch.bfloat16),
     (130, 96, 72, torch.float16),
     (5, 64, 64, torch.bfloat16),
+    (5, 72, 64, torch.bfloat16),  # split configs: 3 splits, the last one partial (8 of 32 columns)
 ])
 @pytest.mark.parametrize("gi_name", list(GI_CONFIGS))
 def test_grad_input_matches_float64(M, N, K, dtype, gi_name):
@@ -78,8 +79,9 @@ def test_grad_weight_matches_float64(M, N, K, dtype, gw_name):
 
 def test_split_sum_is_deterministic_and_equal_to_one_split():
     """Fixed-order sums: the same bits every call; a split changes bits only by fp32 order."""
-    g, _, w = inputs(20, 96, 80, torch.float32, seed=2)
+    g, _, w = inputs(5, 72, 64, torch.float32, seed=2)
     cfg = GI_CONFIGS["pointer_split"]
+    assert pb._split(72, 2, cfg, pb.sm_count(g)) == (3, 32)  # really split, last split partial
     a, b = pb.grad_input_partials([g], [w], cfg), pb.grad_input_partials([g], [w], cfg)
     assert torch.equal(a, b)
     assert rel_err(a, pb.grad_input_partials([g], [w], GI_CONFIGS["pointer_direct"])) < 1e-6
@@ -126,25 +128,52 @@ def test_fused_projection_flags(strategy):
     assert only_w[0] is None and torch.equal(only_w[1], gw)
 
 
-def test_bad_arguments_name_themselves():
+@pytest.mark.parametrize("strategy", ["torch", "triton"])
+def test_bad_arguments_name_themselves(strategy):
     g, x, w = inputs(8, 64, 32, torch.float32)
     with pytest.raises(ValueError, match="strategy"):
         pb.qkv_projection_backward(g, x, w, strategy="fused")
-    with pytest.raises(ValueError, match="weight"):
-        pb.qkv_projection_backward(g, x, w[:32])
     with pytest.raises(ValueError, match="one weight per grad"):
-        pb.separate_projections_backward([g], x, [w, w])
+        pb.separate_projections_backward([g], x, [w, w], strategy=strategy)
+    bad = {
+        r"weights\[0\]: expected \[N = 64, K = 32\]": ([g], x, [w[:32]]),  # fewer rows than grad's columns
+        r"weights\[1\]: expected \[N = 32, K = 32\]": ([g, g[:, :32]], x, [w, w[:32, :16]]),  # another K
+        r"grads\[1\]: expected \[M = 8, N\]": ([g, g[:5]], x, [w, w]),
+        r"grads\[0\]: expected a 2-D": ([g[None]], x, [w]),
+        r"weights\[0\]: expected hidden's dtype": ([g], x, [w.bfloat16()]),
+        r"hidden: expected a 2-D": ([g], x[None], [w]),
+    }
+    for message, (grads, hidden, weights) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            pb.separate_projections_backward(grads, hidden, weights, strategy=strategy)
+
+
+def test_triton_route_hands_empty_and_float64_operands_to_cublas():
+    g, x, w = inputs(8, 64, 32, torch.float64)
+    gh, gw, _ = pb.qkv_projection_backward(g, x, w, strategy="triton")
+    assert torch.equal(gh, g @ w) and torch.equal(gw, g.t() @ x)
+    e = torch.empty(0, 64, dtype=torch.bfloat16, device=DEV)
+    gh, gw, gb = pb.qkv_projection_backward(e, torch.empty(0, 32, dtype=torch.bfloat16, device=DEV),
+                                            w.bfloat16(), need_bias_grad=True, strategy="triton")
+    assert gh.shape == (0, 32) and torch.count_nonzero(gw) == 0 and torch.count_nonzero(gb) == 0
 
 
 def test_gemm_configs_table():
-    """Every row of the table is a valid tile set (powers of two the kernels need), the persistent
-    TMA grad_weight kernel everywhere, and the ragged-M rows where the sweep put them."""
+    """Every row of the table is a valid tile set (powers of two the kernels need) that fits the
+    shared-memory budget for 2- and 4-byte elements, the bf16 rows as swept, and the ragged-M
+    rows where the sweep put them."""
     for M in (1, 16, 128, 131, 200, 256, 293, 512, 586, 1024, 8192):
-        gi, gw = pb.gemm_configs(M)
-        for b in (gi.block_m, gi.block_n, gi.block_k, gw.block_m, gw.block_n, gw.block_k):
-            assert b >= 16 and b & (b - 1) == 0
-        assert gw.tma and gi.programs_per_sm > 0
+        for es in (2, 4):
+            gi, gw = pb.gemm_configs(M, es)
+            for b in (gi.block_m, gi.block_n, gi.block_k, gw.block_m, gw.block_n, gw.block_k):
+                assert b >= 16 and b & (b - 1) == 0
+            assert gw.tma and gi.programs_per_sm > 0 and gi.num_stages >= 2 and gw.num_stages >= 2
+            assert pb._shared_bytes(gi, es) <= pb.SHARED_MEMORY_BUDGET
+            assert pb._shared_bytes(gw, es) <= pb.SHARED_MEMORY_BUDGET
+    assert pb.gemm_configs(128)[1] == pb.GradWeightConfig(64, 128, 256, 8, 3, True, 1, True)  # swept, kept
+    assert pb.gemm_configs(128, 4)[1].block_k == 128  # fp32: the same tile would need 416 KB
     assert pb.gemm_configs(131)[0].block_k == 256 and not pb.gemm_configs(131)[0].tma
+    assert pb.gemm_configs(16)[0].tma  # the 131 row is for M just past 128 only
     assert pb.gemm_configs(512)[1].block_k == 256 and pb.gemm_configs(586)[1].block_k == 128
 
 
@@ -153,20 +182,40 @@ def test_gemm_configs_table():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("M", [128, 131, 256, 512, 586, 2048])
+@pytest.mark.parametrize("M,dtype", [(M, torch.bfloat16) for M in (128, 131, 256, 512, 586, 2048)]
+                         + [(M, dt) for M in (128, 131, 512, 586) for dt in (torch.float16, torch.float32)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gpu_triton_route_at_suite_shapes(M, bias):
-    """Every row of ``gemm_configs`` the suite reaches (with a bias the route once took another
-    kernel variant, which was wrong on the H200: the test that caught it)."""
-    g, x, w = inputs(M, 6144, 4096, torch.bfloat16, seed=M, device="cuda")
+def test_gpu_triton_route_at_suite_shapes(M, dtype, bias):
+    """Every row of ``gemm_configs`` the suite reaches, in each dtype (with a bias the route once
+    took another kernel variant, which was wrong on the H200: the test that caught it; fp32 once
+    asked for more shared memory than an SM has)."""
+    g, x, w = inputs(M, 6144, 4096, dtype, seed=M, device="cuda")
     gh, gw, gb = pb.qkv_projection_backward(g, x, w, need_bias_grad=bias, strategy="triton")
     th, tw, tb = pb.qkv_projection_backward(g, x, w, need_bias_grad=bias, strategy="torch")
     ref_h, ref_w = g.double() @ w.double(), g.double().t() @ x.double()
     # the same order of error as cuBLAS's (both round an fp32 accumulation once)
-    assert rel_err(gh, ref_h) <= max(2 * rel_err(th, ref_h), 4e-3)
-    assert rel_err(gw, ref_w) <= max(2 * rel_err(tw, ref_w), 4e-3)
+    floor = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 1e-5}[dtype]
+    assert rel_err(gh, ref_h) <= max(2 * rel_err(th, ref_h), floor)
+    assert rel_err(gw, ref_w) <= max(2 * rel_err(tw, ref_w), floor)
     if bias:
         assert rel_err(gb, tb) < 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_triton_route_separate_projections():
+    """HunYuanDenseV1's q/k/v weights: one fp32 workspace, one fixed-order sum for grad_hidden."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(131, 4096, generator=gen).bfloat16().cuda()
+    ws = [(torch.randn(n, 4096, generator=gen) * 0.02).bfloat16().cuda() for n in (4096, 1024, 1024)]
+    gs = [torch.randn(131, n, generator=gen).bfloat16().cuda() for n in (4096, 1024, 1024)]
+    gh, gws, _ = pb.separate_projections_backward(gs, x, ws, strategy="triton")
+    th, tws, _ = pb.separate_projections_backward(gs, x, ws, strategy="torch")
+    ref = sum(g.double() @ w.double() for g, w in zip(gs, ws))
+    assert rel_err(gh, ref) <= max(2 * rel_err(th, ref), 4e-3)
+    for g, gw, tw in zip(gs, gws, tws):
+        ref_w = g.double().t() @ x.double()
+        assert rel_err(gw, ref_w) <= max(2 * rel_err(tw, ref_w), 4e-3)
 
 
 @pytest.mark.gpu
