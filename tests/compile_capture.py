@@ -34,6 +34,23 @@ def run_fused(model, inputs, **compile_kwargs):
         return compiled(*inputs), capture
 
 
+# Stock Inductor keeps bf16 intermediates in fp32 where eager rounds them (unfused graphs).
+UNFUSED_TOL = dict(rtol=2e-2, atol=5e-2)
+
+
+def assert_left_unfused(model, inputs: list):
+    """Compile ``model`` with the forward fusion and check it was left alone: no match counted, no
+    fused op in the graph, q and the K cache ([3] of ``inputs``) as eager's within stock
+    Inductor's own tolerance. Returns the CapturingPass (for report or graph checks)."""
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 0
+    assert "fusion_pass.qk_norm_rope" not in capture.after[0]
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+    torch.testing.assert_close(inputs[3], ref_inputs[3], **UNFUSED_TOL)
+    return capture
+
+
 def fused_call(graph_text: str) -> str:
     """The one fused-op call line of a normalized graph text (asserts there is exactly one)."""
     calls = [line for line in graph_text.splitlines() if "fusion_pass.qk_norm_rope" in line]

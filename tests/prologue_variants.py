@@ -321,3 +321,19 @@ class Glm4MoePrologue(nn.Module):
         k_cache.index_copy_(2, cache_position, key_states)  # StaticCache.update
         v_cache.index_copy_(2, cache_position, value_states)
         return query_states, query_states.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+
+
+def make_glm_inputs(batch=2, seq=5, past=3, hidden=64, kv_heads=2, head_dim=64, rotary_dim=None, cache_len=24,
+                    dtype=torch.bfloat16, halves_differ=False, seed=0):
+    """Inputs of ``Glm4MoePrologue``: hidden [B, S, hidden], cos/sin [B, S, rotary_dim] (default
+    head_dim; Hugging Face's ``cat(freqs, freqs)``, or with ``halves_differ`` two different
+    halves), random caches [B, Hkv, L, head_dim] (untouched rows checkable), cache_position [S]."""
+    rotary_dim = rotary_dim or head_dim
+    g = torch.Generator().manual_seed(seed)
+    hidden_states = torch.randn(batch, seq, hidden, generator=g).to(dtype)
+    angles = torch.rand(batch, seq, rotary_dim // 2, generator=g) * 6.28
+    second = torch.rand(batch, seq, rotary_dim // 2, generator=g) * 6.28 if halves_differ else angles
+    emb = torch.cat((angles, second), dim=-1)
+    k_cache = torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype)
+    return [hidden_states, emb.cos().to(dtype), emb.sin().to(dtype), k_cache, v_cache, torch.arange(past, past + seq)]
