@@ -132,6 +132,7 @@ from triton.language.extra import libdevice
 
 from .qk_norm_rope_cache_reference import NORM_STYLES
 from .rounding import round_to as _round
+from .triton_launch import CachedLauncher
 
 #: Elements (one tensor, both halves) per program. 4096 with 4 warps = 32 elements per thread.
 TILE_ELEMENTS = 4096
@@ -601,33 +602,34 @@ def _launch(
         pos_strides = (0, 0)
     if norm == "no_weight":
         q_weight = k_weight = q  # unused pointers (constexpr branch)
-    _qk_norm_rope_cache_kernel[config.grid](
-        q, k, v, q_weight, k_weight,
-        cos, sin, position_ids, inv_freq,
-        k_cache, v_cache, cache_position, q_out, k_out,
-        seq_len, q_heads, kv_heads, k_cache.shape[2],
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *cos_strides, *sin_strides, *pos_strides, cache_position.stride(0),
-        float(q_eps), float(k_eps), float(attention_scaling),
-        HEAD_DIM=head_dim,
-        HALF_BLOCK=config.half_block,
-        HEADS_PER_PROGRAM=config.heads_per_program,
-        TOKENS_PER_PROGRAM=config.tokens_per_program,
-        ROPE_FROM_POSITIONS=from_positions,
-        INTERPRETED=_interpreted(),
-        NORM_STYLE=NORM_STYLES.index(norm),
-        ROPE_FIRST=bool(rope_first),
-        ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),
-        INTERLEAVED=bool(interleaved),
-        num_warps=config.num_warps,
-        **COMPILE_OPTIONS,
+    _CACHE_KERNEL_LAUNCHER.launch(
+        config.grid,
+        (q, k, v, q_weight, k_weight,
+         cos, sin, position_ids, inv_freq,
+         k_cache, v_cache, cache_position, q_out, k_out,
+         seq_len, q_heads, kv_heads, k_cache.shape[2],
+         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+         *q_out.stride()[:3], *k_out.stride()[:3],
+         *k_cache.stride()[:3], *v_cache.stride()[:3],
+         *cos_strides, *sin_strides, *pos_strides, cache_position.stride(0),
+         float(q_eps), float(k_eps), float(attention_scaling)),
+        dict(HEAD_DIM=head_dim,
+             HALF_BLOCK=config.half_block,
+             HEADS_PER_PROGRAM=config.heads_per_program,
+             TOKENS_PER_PROGRAM=config.tokens_per_program,
+             ROPE_FROM_POSITIONS=from_positions,
+             INTERPRETED=_interpreted(),
+             NORM_STYLE=NORM_STYLES.index(norm),
+             ROPE_FIRST=bool(rope_first),
+             ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),
+             INTERLEAVED=bool(interleaved)),
+        dict(num_warps=config.num_warps, **COMPILE_OPTIONS),
     )
+
+
+# Launches through a cached compiled handle (kernels/triton_launch.py): a decode step is
+# host-bound without CUDA graphs, and Triton's per-call binder costs more than the launch itself.
+_CACHE_KERNEL_LAUNCHER = CachedLauncher(_qk_norm_rope_cache_kernel)
 
 
 # --------------------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ import triton.language as tl
 from .projection_backward import qkv_projection_backward
 from .rounding import round_to
 from .triton_device import sm_count, triton_applicable
+from .triton_launch import CachedLauncher
 
 # ----------------------------------------------------------------------------------------------
 # Tunables (explicit, documented above; the lead sets them from benchmarks/bench_backward.py).
@@ -636,6 +637,14 @@ def _finish_partials_kernel(
                 tl.store(gkw_ptr + cols, w_acc, mask=cmask)
 
 
+# Launches through cached compiled handles (kernels/triton_launch.py): at small M the backward
+# is host-bound, and Triton's per-call binder costs more than the launch itself.
+_TILES_LAUNCHER = CachedLauncher(_qk_norm_rope_bwd_kernel)
+_ROWS_LAUNCHER = CachedLauncher(_qk_norm_rope_bwd_rows_kernel)
+_FINISH_LAUNCHER = CachedLauncher(_finish_partials_kernel)
+_FINISH_OPTIONS = dict(num_warps=4)
+
+
 def elementwise_supported(grad_q, grad_k, grad_v, q, k, cos, sin, q_weight, k_weight) -> bool:
     """True when ``qk_norm_rope_backward_triton`` handles these tensors (else it raises ValueError):
     a device Triton runs on, one dtype in SUPPORTED_DTYPES for all of them, an even head_dim and
@@ -650,29 +659,31 @@ def elementwise_supported(grad_q, grad_k, grad_v, q, k, cos, sin, q_weight, k_we
     )
 
 
-def _bsn_strides(t: torch.Tensor, B: int, S: int, N: int, name: str) -> tuple[int, int]:
-    """(stride over b, stride over s) of a [B, S, N] / [B*S, N] / [B, S, H, D] tensor whose
-    trailing N elements per token are contiguous."""
-    if t.dim() == 2 and tuple(t.shape) == (B * S, N) and t.stride(1) == 1:
-        return S * t.stride(0), t.stride(0)
-    if t.dim() == 3 and tuple(t.shape) == (B, S, N) and t.stride(2) == 1:
-        return t.stride(0), t.stride(1)
-    if t.dim() == 4 and tuple(t.shape[:2]) == (B, S) and t.shape[2] * t.shape[3] == N:
-        if t.stride(3) == 1 and t.stride(2) == t.shape[3]:
-            return t.stride(0), t.stride(1)
+def _bsn_strides(t: torch.Tensor, st: tuple[int, ...], B: int, S: int, N: int, name: str) -> tuple[int, int]:
+    """(stride over b, stride over s) of a [B, S, N] / [B*S, N] / [B, S, H, D] tensor ``t`` with
+    strides ``st`` whose trailing N elements per token are contiguous."""
+    shape = t.shape
+    if len(shape) == 2 and shape == (B * S, N) and st[1] == 1:
+        return S * st[0], st[0]
+    if len(shape) == 3 and shape == (B, S, N) and st[2] == 1:
+        return st[0], st[1]
+    if len(shape) == 4 and shape[:2] == (B, S) and shape[2] * shape[3] == N:
+        if st[3] == 1 and st[2] == shape[3]:
+            return st[0], st[1]
     raise ValueError(
         f"qk_norm_rope_backward_triton: {name}: expected [B*S, {N}] or [B, S, {N}] with contiguous "
-        f"rows, got shape {tuple(t.shape)} strides {tuple(t.stride())}"
+        f"rows, got shape {tuple(shape)} strides {tuple(st)}"
     )
 
 
 def _rstd_strides(r: torch.Tensor, B: int, H: int, S: int, name: str) -> tuple[int, int, int]:
-    if r.dim() == 4 and r.shape[3] == 1:
-        r = r[..., 0]
-    if r.dim() != 3 or tuple(r.shape) != (B, H, S):
+    shape, st = r.shape, r.stride()
+    if len(shape) == 4 and shape[3] == 1:
+        shape, st = shape[:3], st[:3]
+    if shape != (B, H, S):
         raise ValueError(f"qk_norm_rope_backward_triton: {name}: expected [B, H, S] (or [B, H, S, 1]), "
                          f"got {tuple(r.shape)}")
-    return r.stride(0), r.stride(1), r.stride(2)
+    return st
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -853,47 +864,49 @@ def qk_norm_rope_backward_triton(
     if cos.dim() != 3 or Bc not in (1, B) or tuple(cos.shape[1:]) != (S, D) or sin.shape != cos.shape:
         raise ValueError(f"qk_norm_rope_backward_triton: cos/sin must be [1 or B, S, D], got "
                          f"{tuple(cos.shape)} / {tuple(sin.shape)}")
-    for name, t in (("grad_q", grad_q), ("grad_k", grad_k), ("grad_v", grad_v), ("k", k),
-                    ("cos", cos), ("sin", sin), ("q_weight", q_weight), ("k_weight", k_weight),
-                    ("grad_q_proj", grad_q_proj), ("grad_k_proj", grad_k_proj),
-                    ("grad_v_proj", grad_v_proj)):
-        if t.dtype != dtype:
-            raise ValueError(f"qk_norm_rope_backward_triton: {name} has dtype {t.dtype}, expected q's {dtype}")
-        if t.numel() and t.stride(-1) != 1:
-            raise ValueError(f"qk_norm_rope_backward_triton: {name} needs a contiguous last dim, "
-                             f"got strides {tuple(t.stride())}")
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"qk_norm_rope_backward_triton: dtype {dtype} not in {SUPPORTED_DTYPES}")
-    if q.stride(-1) != 1:
-        raise ValueError("qk_norm_rope_backward_triton: q needs a contiguous last dim")
+    # Each tensor's strides are read once: this function runs on every backward, and at small M
+    # the GPU waits for the host (each Tensor.stride() call is a Python -> C++ round trip).
+    named = (("grad_q", grad_q), ("grad_k", grad_k), ("grad_v", grad_v), ("q", q), ("k", k),
+             ("cos", cos), ("sin", sin), ("q_weight", q_weight), ("k_weight", k_weight),
+             ("grad_q_proj", grad_q_proj), ("grad_k_proj", grad_k_proj), ("grad_v_proj", grad_v_proj))
+    strides = [t.stride() for _, t in named]
+    for (name, t), st in zip(named, strides):
+        if t.dtype != dtype:
+            raise ValueError(f"qk_norm_rope_backward_triton: {name} has dtype {t.dtype}, expected q's {dtype}")
+        if st[-1] != 1 and t.numel():
+            raise ValueError(f"qk_norm_rope_backward_triton: {name} needs a contiguous last dim, "
+                             f"got strides {tuple(st)}")
+    gq_s, gk_s, gv_s, q_s, k_s, cos_s, sin_s, _, _, dq_st, dk_st, dv_st = strides
 
     M = B * S
-    q_weight = q_weight.contiguous()
-    k_weight = k_weight.contiguous()
-    dq_sb, dq_ss = _bsn_strides(grad_q_proj, B, S, HQ * D, "grad_q_proj")
-    dk_sb, dk_ss = _bsn_strides(grad_k_proj, B, S, HKV * D, "grad_k_proj")
-    dv_sb, dv_ss = _bsn_strides(grad_v_proj, B, S, HKV * D, "grad_v_proj")
-    rq_s = _rstd_strides(q_rstd, B, HQ, S, "q_rstd")
-    rk_s = _rstd_strides(k_rstd, B, HKV, S, "k_rstd")
-    cos_sb = cos.stride(0) if Bc > 1 else 0
-    sin_sb = sin.stride(0) if Bc > 1 else 0
-
     if M == 0:
         gw = (torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if need_weight_grad else (None, None)
         gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
         return gw[0], gw[1], gcs[0], gcs[1]
+    if q_weight.shape != (D,) or k_weight.shape != (D,):
+        raise ValueError(f"qk_norm_rope_backward_triton: q_weight / k_weight must be [D={D}], got "
+                         f"{tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
+    q_weight = q_weight.contiguous()
+    k_weight = k_weight.contiguous()
+    dq_sb, dq_ss = _bsn_strides(grad_q_proj, dq_st, B, S, HQ * D, "grad_q_proj")
+    dk_sb, dk_ss = _bsn_strides(grad_k_proj, dk_st, B, S, HKV * D, "grad_k_proj")
+    dv_sb, dv_ss = _bsn_strides(grad_v_proj, dv_st, B, S, HKV * D, "grad_v_proj")
+    rq_s = _rstd_strides(q_rstd, B, HQ, S, "q_rstd")
+    rk_s = _rstd_strides(k_rstd, B, HKV, S, "k_rstd")
 
     # The leading arguments of both elementwise kernels (same signature up to the workspaces).
     tensor_args = (
-        grad_q, grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
-        grad_k, grad_k.stride(0), grad_k.stride(1), grad_k.stride(2),
-        grad_v, grad_v.stride(0), grad_v.stride(1), grad_v.stride(2),
-        q, q.stride(0), q.stride(1), q.stride(2),
-        k, k.stride(0), k.stride(1), k.stride(2),
+        grad_q, gq_s[0], gq_s[1], gq_s[2],
+        grad_k, gk_s[0], gk_s[1], gk_s[2],
+        grad_v, gv_s[0], gv_s[1], gv_s[2],
+        q, q_s[0], q_s[1], q_s[2],
+        k, k_s[0], k_s[1], k_s[2],
         q_rstd, *rq_s,
         k_rstd, *rk_s,
-        cos, cos_sb, cos.stride(1),
-        sin, sin_sb, sin.stride(1),
+        cos, cos_s[0] if Bc > 1 else 0, cos_s[1],
+        sin, sin_s[0] if Bc > 1 else 0, sin_s[1],
         q_weight, k_weight,
         grad_q_proj, dq_sb, dq_ss,
         grad_k_proj, dk_sb, dk_ss,
@@ -930,12 +943,14 @@ def _finish(plan, gw_ws, cs_ws, PA, PB, NHB, need_w, need_cs, q_weight, k_weight
         gc = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
         gs = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
     if plan.cs_programs + plan.w_programs:
-        _finish_partials_kernel[(plan.cs_programs + plan.w_programs,)](
-            gw_ws, grad_qw, grad_kw, cs_ws, gc, gs,
-            PA, PB, Bc * S, B * S, S, NHB, B if Bc == 1 else 1, plan.cs_programs,
-            D=D, BLOCK_P=plan.BLOCK_P, BLOCK_L=plan.BLOCK_L, BLOCK_T=plan.BLOCK_T, BLOCK_2D=plan.BLOCK_2D,
-            W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype],
-            NEED_W=need_w, NEED_CS=need_cs and plan.cs_programs > 0, num_warps=4,
+        _FINISH_LAUNCHER.launch(
+            (plan.cs_programs + plan.w_programs,),
+            (gw_ws, grad_qw, grad_kw, cs_ws, gc, gs,
+             PA, PB, Bc * S, B * S, S, NHB, B if Bc == 1 else 1, plan.cs_programs),
+            dict(D=D, BLOCK_P=plan.BLOCK_P, BLOCK_L=plan.BLOCK_L, BLOCK_T=plan.BLOCK_T, BLOCK_2D=plan.BLOCK_2D,
+                 W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype],
+                 NEED_W=need_w, NEED_CS=need_cs and plan.cs_programs > 0),
+            _FINISH_OPTIONS,
         )
     return (grad_qw if need_w else None, grad_kw if need_w else None,
             gc if need_cs else None, gs if need_cs else None)
@@ -955,15 +970,15 @@ def _launch_token_rows(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos
     if need_cs and plan.cs_direct:
         grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
         grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
-    _qk_norm_rope_bwd_rows_kernel[(plan.programs,)](
-        *tensor_args, gw_ws, cs_ws,
-        gw_ws if grad_cos is None else grad_cos, gw_ws if grad_sin is None else grad_sin,
-        M, S, plan.programs,
-        HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BT=plan.BT, NS=plan.NS,
-        ROUND=_ROUND_MODE[q.dtype], CS_ROUND=_ROUND_MODE[cos.dtype], INTERP=not q.is_cuda,
-        NEED_W=need_w, NEED_CS=need_cs, CS_DIRECT=plan.cs_direct, STAGES=ROWS_STAGES,
-        num_warps=ROWS_NUM_WARPS,
-        **COMPILE_OPTIONS,
+    _ROWS_LAUNCHER.launch(
+        (plan.programs,),
+        (*tensor_args, gw_ws, cs_ws,
+         gw_ws if grad_cos is None else grad_cos, gw_ws if grad_sin is None else grad_sin,
+         M, S, plan.programs),
+        dict(HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BT=plan.BT,
+             NS=plan.NS, ROUND=_ROUND_MODE[q.dtype], CS_ROUND=_ROUND_MODE[cos.dtype], INTERP=not q.is_cuda,
+             NEED_W=need_w, NEED_CS=need_cs, CS_DIRECT=plan.cs_direct, STAGES=ROWS_STAGES),
+        dict(num_warps=ROWS_NUM_WARPS, **COMPILE_OPTIONS),
     )
     return _finish(plan, gw_ws, cs_ws, plan.programs, plan.programs, plan.NS, need_w, need_cs, q_weight,
                    k_weight, cos, sin, B, S, D, grad_cos, grad_sin)
@@ -978,14 +993,13 @@ def _launch_head_tiles(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos
                              ELEMENTWISE_TILE_ELEMENTS, ELEMENTWISE_MAX_TILES_PER_PROGRAM)
     gw_ws = torch.empty((plan.PQ + plan.PK, D) if need_w else (1,), device=dev, dtype=torch.float32)
     cs_ws = torch.empty((plan.nqb + plan.nkb, M, 2 * D) if need_cs else (1,), device=dev, dtype=torch.float32)
-    _qk_norm_rope_bwd_kernel[(plan.programs,)](
-        *tensor_args, gw_ws, cs_ws,
-        M, S, plan.GQ, plan.GK, plan.GK, plan.ntt_q, plan.ntt_k,
-        HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D,
-        BHQ=plan.BHQ, BTQ=plan.BTQ, BHK=plan.BHK, BTK=plan.BTK, BHV=plan.BHK, BTV=plan.BTK,
-        ROUND=_ROUND_MODE[q.dtype], INTERP=not q.is_cuda, NEED_W=need_w, NEED_CS=need_cs,
-        num_warps=ELEMENTWISE_NUM_WARPS,
-        **COMPILE_OPTIONS,
+    _TILES_LAUNCHER.launch(
+        (plan.programs,),
+        (*tensor_args, gw_ws, cs_ws, M, S, plan.GQ, plan.GK, plan.GK, plan.ntt_q, plan.ntt_k),
+        dict(HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D,
+             BHQ=plan.BHQ, BTQ=plan.BTQ, BHK=plan.BHK, BTK=plan.BTK, BHV=plan.BHK, BTV=plan.BTK,
+             ROUND=_ROUND_MODE[q.dtype], INTERP=not q.is_cuda, NEED_W=need_w, NEED_CS=need_cs),
+        dict(num_warps=ELEMENTWISE_NUM_WARPS, **COMPILE_OPTIONS),
     )
     return _finish(plan, gw_ws, cs_ws, plan.PQ, plan.PK, plan.nqb + plan.nkb, need_w, need_cs, q_weight,
                    k_weight, cos, sin, B, S, D)
