@@ -3,7 +3,8 @@
     python benchmarks/diagnose_launch_overhead.py --out DIR
 
 1. A Triton kernel with the elementwise pass's argument count (14 tensors, 42 ints): host us per
-   launch through ``kernel[grid](...)`` and through the compiled handle's ``run`` (binder skipped).
+   launch through ``kernel[grid](...)``, through the compiled handle's ``run`` (binder skipped) and
+   through the package's ``CachedLauncher`` (kernels/triton_launch.py).
 2. torch.profiler of the backward op at M = 128 and 512: each device kernel's duration, in order.
 Writes DIR/diagnose-launch-overhead.json.
 """
@@ -25,6 +26,7 @@ import bench_backward as bb  # noqa: E402
 from diagnose_device_time import host_us  # noqa: E402
 
 import fusion_pass.kernels  # noqa: E402,F401  (registers the ops)
+from fusion_pass.kernels.triton_launch import CachedLauncher  # noqa: E402
 
 
 @triton.jit
@@ -32,6 +34,15 @@ def _many_args_kernel(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13
                       i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15, i16, i17, i18, i19,
                       i20, i21, i22, i23, i24, i25, i26, i27, i28, i29, i30, i31, i32, i33, i34, i35, i36, i37,
                       i38, i39, i40, i41, C0: tl.constexpr, C1: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _many_args_ptr_kernel(p0_ptr, p1_ptr, p2_ptr, p3_ptr, p4_ptr, p5_ptr, p6_ptr, p7_ptr, p8_ptr, p9_ptr, p10_ptr,
+                          p11_ptr, p12_ptr, p13_ptr,
+                          i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15, i16, i17, i18,
+                          i19, i20, i21, i22, i23, i24, i25, i26, i27, i28, i29, i30, i31, i32, i33, i34, i35, i36,
+                          i37, i38, i39, i40, i41, C0: tl.constexpr, C1: tl.constexpr):
     pass
 
 
@@ -47,9 +58,51 @@ def launch_costs():
         k.run(128, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *ptrs, *ints, 1, 2)
 
     direct_us = host_us(direct)
-    res = dict(launch_56_args_us=normal, direct_run_56_args_us=direct_us,
+    # kernels/triton_launch.py: the package's launcher (its key + the handle's run). The kernel's
+    # pointer parameters are p0..p13, not *_ptr, so a renamed copy with the convention is timed.
+    launcher = CachedLauncher(_many_args_ptr_kernel)
+    cached_args = (*ptrs, *ints)
+    launcher.launch((128,), cached_args, dict(C0=1, C1=2), {})
+    cached_us = host_us(lambda: launcher.launch((128,), cached_args, dict(C0=1, C1=2), {}))
+    res = dict(launch_56_args_us=normal, direct_run_56_args_us=direct_us, cached_launcher_56_args_us=cached_us,
                torch_empty_us=host_us(lambda: torch.empty((256, 128), device="cuda")))
     print("host us: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()), flush=True)
+    return res
+
+
+def op_host_ab():
+    """Host us per call of the backward op (M = 128) and the forward decode op, with the cached
+    launcher on and off, in this process (the lent machines' host speed differs ~2x between
+    calls, so only a same-process A/B compares the two)."""
+    from fusion_pass.kernels import triton_launch
+
+    t = bb.make_inputs(128, 1, "cuda")
+
+    def backward():
+        return torch.ops.fusion_pass.qkv_rope_qk_norm_backward(
+            t["gq"], t["gk"], t["gv"], t["q"], t["k"], t["rq"], t["rk"], t["cos"], t["sin"], t["wq"], t["wk"],
+            t["hidden"], [t["W"]], False, True, True, True, True)
+
+    B, HQ, HKV, D, L = 8, 64, 4, 128, 2048  # a suite F decode case (Qwen3-Coder-480B heads)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q, k, v = torch.randn(B, HQ, 1, D, **bf), torch.randn(B, HKV, 1, D, **bf), torch.randn(B, HKV, 1, D, **bf)
+    wq, wk, cos, sin = torch.randn(D, **bf), torch.randn(D, **bf), torch.randn(B, 1, D, **bf), torch.randn(B, 1, D, **bf)
+    kc, vc = torch.zeros(B, HKV, L, D, **bf), torch.zeros(B, HKV, L, D, **bf)
+    pos = torch.tensor([100], device="cuda")
+
+    def forward():
+        return torch.ops.fusion_pass.qk_norm_rope_cache(q, k, v, wq, wk, cos, sin, kc, vc, pos, 1e-6, 1e-6)
+
+    res = {}
+    for rnd in range(2):  # twice, alternating, so a slow spell of the host shows as a disagreement
+        for enabled in (True, False):
+            triton_launch.ENABLED = enabled
+            tag = "cached" if enabled else "normal"
+            res.setdefault(f"backward_op_M128_{tag}_us", []).append(host_us(backward, 300))
+            res.setdefault(f"forward_decode_op_{tag}_us", []).append(host_us(forward, 300))
+    triton_launch.ENABLED = True
+    print("op host us (cached launcher vs Triton's normal launch): "
+          + ", ".join(f"{k} {[round(x, 1) for x in v]}" for k, v in res.items()), flush=True)
     return res
 
 
@@ -85,6 +138,7 @@ def main() -> int:
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.date.today().isoformat())
     res["launch"] = launch_costs()
+    res["op_host_ab"] = op_host_ab()
     res["timeline"] = {f"S{S}_B{B}": timeline(S, B) for S, B in ((128, 1), (512, 1), (2048, 2))}
     (out / "diagnose-launch-overhead.json").write_text(json.dumps(res, indent=1))
     return 0

@@ -35,6 +35,45 @@ run_tests_kernels() {
     tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py 2>&1 | tee "$out/gpu-tests.log" | tail -15
 }
 case "$stage" in
+  host6-models) # Session 6, call 4: with the cached launcher active (calls 1-3 found it off in call 1),
+       # the forward op tests, every forward variant and the whole-model GPU tests (Qwen3 with the
+       # pass, its CUDA-graph decode, the HunYuanDenseV1 training step); same-process host A/B.
+       log="$out/host6-models.log"
+       timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_qk_norm_rope_cache_op.py \
+         tests/test_qk_norm_rope_cache_variants_gpu.py tests/test_triton_launch.py 2>&1 | tee -a "$log" | tail -2
+       timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_qk_norm_rope_cache_model.py \
+         tests/test_qkv_rope_qk_norm_numerics.py 2>&1 | tee -a "$log" | tail -2
+       timeout 90 python3 benchmarks/diagnose_launch_overhead.py --out "$out" 2>&1 | tee -a "$log" | grep -E "host us" ;;
+  host6-final) # Session 6, call 3: the launcher tests after the argument-check fix, the GPU
+       # training-step test (op now Library-registered), suite B with min-of-3 medians.
+       log="$out/host6-final.log"
+       timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_launch.py 2>&1 | tee -a "$log" | tail -2
+       timeout 120 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_qkv_rope_qk_norm_numerics.py \
+         2>&1 | tee -a "$log" | tail -2
+       timeout 330 python3 benchmarks/bench_backward.py --out "$out" \
+         --stock-from benchmarks/results/2026-11-29-h200-backward-run2.json 2>&1 | tee -a "$log" | tail -4
+       rm -f "$out"/*.partial.json ;;
+  host6-tests) # Session 6, call 1: cached-handle launches (kernels/triton_launch.py), the leaner
+       # wrappers and the Library-registered backward op: every GPU test they touch, the whole-
+       # model tests (CUDA-graph decode included), launch costs. One log.
+       log="$out/host6-tests.log"
+       timeout 260 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_launch.py \
+         tests/test_qkv_rope_qk_norm_backward_kernel.py tests/test_qk_norm_rope_cache_kernel.py \
+         tests/test_qk_norm_rope_cache_op.py tests/test_qk_norm_rope_cache_variants_gpu.py \
+         tests/test_projection_backward.py 2>&1 | tee -a "$log" | tail -3
+       timeout 200 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_qkv_rope_qk_norm_numerics.py \
+         tests/test_qk_norm_rope_cache_model.py 2>&1 | tee -a "$log" | tail -3
+       timeout 60 python3 benchmarks/diagnose_launch_overhead.py --out "$out" 2>&1 | tee -a "$log" | tail -4 ;;
+  host6-bench) # Session 6, call 2: the launcher's GPU tests again (call 1 found the hook check
+       # wrong for Triton 3.6), launch costs, suite B with the op as "ours" (host time per call).
+       log="$out/host6-bench.log"
+       timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_launch.py \
+         tests/test_qkv_rope_qk_norm_backward_kernel.py tests/test_qk_norm_rope_cache_kernel.py \
+         tests/test_projection_backward.py 2>&1 | tee -a "$log" | tail -3
+       timeout 60 python3 benchmarks/diagnose_launch_overhead.py --out "$out" 2>&1 | tee -a "$log" | tail -4
+       timeout 300 python3 benchmarks/bench_backward.py --out "$out" \
+         --stock-from benchmarks/results/2026-11-29-h200-backward-run2.json 2>&1 | tee -a "$log" | tail -4
+       rm -f "$out"/*.partial.json ;;
   probe-gw) # Session 5: does grad_W's store overlap its MMAs? warp specialization, ncu of the table config.
        log="$out/probe-gw.log"
        timeout 150 python3 benchmarks/probe_grad_weight_overlap.py --out "$out" 2>&1 | tee -a "$log" | grep -E "^M="
