@@ -406,6 +406,8 @@ def run_gpu(args) -> int:
     summary = dict(suite="B", gpu=gpu, torch=torch.__version__, triton=triton.__version__, date=date,
                    mm_TFLOPs=mm_tflops, copy_TBps=copy_tbps, cases_selected=args.cases, means=means,
                    first_case_again_us=first_case_again_us,
+                   fusion_pass_us_measures="torch.ops.fusion_pass.qkv_rope_qk_norm_backward (until run 6: "
+                                           "full_backward_triton, now kernels_us)",
                    stock_compile_source=(f"{os.path.basename(args.stock_from)} (an earlier run, same GPU and "
                                          "versions)" if args.stock_from else "this run"),
                    fusion_pass_over_floor=(means["fusion_pass_us"] / means["floor_us"]),
@@ -435,7 +437,12 @@ def write_markdown(path, summary):
              "(device time).", "",
              "`ours` is the backward op as the compiled training graph calls it; `kernels` the same kernels "
              "through the Python entry point; `host` the op's host time per call (do_bench measures the host "
-             "where it exceeds the device time).", "",
+             "where it exceeds the device time). "
+             + ("`ours`, `kernels`, `host` and `2 cuBLAS GEMMs`: the least of "
+                f"{len(next(iter(summary['cases'][0]['repeats_us'].values())))} do_bench medians taken in turn "
+                "(each column's own minimum); every other do_bench column one median."
+                if summary["cases"] and summary["cases"][0].get("repeats_us") else
+                "Every do_bench column: one median."), "",
              "| S | B | M | floor | 2 cuBLAS GEMMs | eager | stock compile | ours | ours/floor | kernels | host | "
              "elementwise | our GEMMs | 2 GEMMs graph | ours graph | ours graph/floor | elementwise graph | rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

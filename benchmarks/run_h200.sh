@@ -35,6 +35,14 @@ run_tests_kernels() {
     tests/test_qk_norm_rope_cache_kernel.py tests/test_qkv_rope_qk_norm_backward_kernel.py 2>&1 | tee "$out/gpu-tests.log" | tail -15
 }
 case "$stage" in
+  host6-review) # Session 6, call 5: after the review fixes (scalar types in the launch key, ROCm
+       # off the fast path, the op's pt2 tag and double-backward guard): the launcher tests (new:
+       # graph capture on a side stream, launch hooks), the backward kernels, the training step.
+       log="$out/host6-review.log"
+       timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_launch.py \
+         tests/test_qkv_rope_qk_norm_backward_kernel.py 2>&1 | tee -a "$log" | tail -3
+       timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_qkv_rope_qk_norm_numerics.py \
+         2>&1 | tee -a "$log" | tail -2 ;;
   host6-models) # Session 6, call 4: with the cached launcher active (calls 1-3 found it off in call 1),
        # the forward op tests, every forward variant and the whole-model GPU tests (Qwen3 with the
        # pass, its CUDA-graph decode, the HunYuanDenseV1 training step); same-process host A/B.

@@ -880,11 +880,6 @@ def qk_norm_rope_backward_triton(
                              f"got strides {tuple(st)}")
     gq_s, gk_s, gv_s, q_s, k_s, cos_s, sin_s, _, _, dq_st, dk_st, dv_st = strides
 
-    M = B * S
-    if M == 0:
-        gw = (torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if need_weight_grad else (None, None)
-        gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
-        return gw[0], gw[1], gcs[0], gcs[1]
     if q_weight.shape != (D,) or k_weight.shape != (D,):
         raise ValueError(f"qk_norm_rope_backward_triton: q_weight / k_weight must be [D={D}], got "
                          f"{tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
@@ -895,6 +890,12 @@ def qk_norm_rope_backward_triton(
     dv_sb, dv_ss = _bsn_strides(grad_v_proj, dv_st, B, S, HKV * D, "grad_v_proj")
     rq_s = _rstd_strides(q_rstd, B, HQ, S, "q_rstd")
     rk_s = _rstd_strides(k_rstd, B, HKV, S, "k_rstd")
+
+    M = B * S
+    if M == 0:
+        gw = (torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if need_weight_grad else (None, None)
+        gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
+        return gw[0], gw[1], gcs[0], gcs[1]
 
     # The leading arguments of both elementwise kernels (same signature up to the workspaces).
     tensor_args = (

@@ -339,7 +339,8 @@ _LIB.define(
     "Tensor q_rstd, Tensor k_rstd, Tensor cos, Tensor sin, Tensor q_norm_weight, Tensor k_norm_weight, "
     "Tensor hidden, Tensor[] proj_weights, bool has_bias, bool need_hidden_grad, bool need_proj_grads, "
     "bool need_norm_weight_grads, bool need_cos_sin_grads) "
-    "-> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor[])"
+    "-> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor[])",
+    tags=(torch.Tag.pt2_compliant_tag,),  # as custom_op tagged it
 )
 
 
@@ -469,6 +470,10 @@ def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weight
                      need_q_w: bool, need_k_w: bool, need_cos: bool, need_sin: bool):
     """The backward op on what ``ctx`` saved; returns (grad_hidden, grad_weights, grad_biases,
     grad_q_weight, grad_k_weight, grad_cos, grad_sin), None (or lists of None) where not needed."""
+    if torch.is_grad_enabled():
+        # backward(create_graph=True): the op has no derivative of its own (custom_op raised
+        # here too; a Library op would only warn and silently drop the second-order terms).
+        raise RuntimeError("fusion_pass.qkv_rope_qk_norm: double backward (create_graph=True) is not supported")
     hidden, q_norm_weight, k_norm_weight, cos, sin, q_rstd, k_rstd, *rest = ctx.saved_tensors
     proj_weights, saved_proj = rest[: ctx.num_weights], rest[ctx.num_weights :]
     num_q_heads, num_kv_heads = ctx.heads

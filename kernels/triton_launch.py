@@ -16,8 +16,12 @@ address modulo 16, the constexprs and the options. A key seen for the first time
 returns; later calls with that key call the handle's ``run``.
 
 Every launch takes Triton's normal path under the interpreter (the CPU CI: no compiled handles),
-with launch hooks installed (profilers that read launch metadata), or when Triton's handle has
-no ``run`` of the expected form (another Triton version): the fast path is only ever a shortcut.
+on ROCm, with launch hooks installed (profilers that read launch metadata), with ``ENABLED``
+False, or when Triton's handle has no ``run`` of the expected form (another Triton version).
+What a cached launch skips besides the binder: Triton's check that the kernel's global
+constants did not change since it compiled, its pre-run hooks, and later changes of the
+``knobs.runtime`` debug / instrumentation / stage-inspection settings (they take effect for new
+keys only). None of these are used by this package's kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from .triton_device import interpreting
 
 MAX_CACHED_LAUNCHES = 1024  # per kernel; distinct (shapes, strides, alignment) keys before a reset
 ENABLED = True  # False: every launch takes Triton's normal path (debugging; A/B host timings)
+# ROCm's backend also specializes tensors on their size (buffer ops under 2 GB), which the key
+# does not hold: there every launch takes the normal path.
+_NOT_CUDA = torch.version.hip is not None
 
 
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -84,7 +91,9 @@ class CachedLauncher:
         """What decides the binary (and its handle): the device, the scalars' values, each
         tensor's dtype and address mod 16, the constexprs and the options."""
         tensors = self._tensors(args)
-        return (device, self._scalars(args), tuple([(t.dtype, t.data_ptr() & 15) for t in tensors]),
+        scalars = self._scalars(args)
+        # Types too: 1, 1.0 and True are equal dict keys but three binaries (constexpr 1, fp32, u1).
+        return (device, scalars, tuple(map(type, scalars)), tuple([(t.dtype, t.data_ptr() & 15) for t in tensors]),
                 constexpr_values, options)
 
     def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict, options: dict) -> None:
@@ -98,7 +107,7 @@ class CachedLauncher:
         """
         if len(args) != self.num_args:
             raise TypeError(f"{self.kernel.fn.__name__}: expected {self.num_args} runtime arguments, got {len(args)}")
-        if not ENABLED or interpreting() or _launch_hooks_installed():
+        if not ENABLED or _NOT_CUDA or interpreting() or _launch_hooks_installed():
             self._check_types(args)
             self.kernel[grid](*args, **constexprs, **options)
             return

@@ -407,3 +407,13 @@ def test_gpu_hunyuan_dense_v1_training_step_like_eager():
     errors, stock_errors = compare_grads(model, reference), compare_grads(stock, reference)
     bound = max(2 * max(stock_errors.values()), GRAD_TOLERANCE[torch.bfloat16])
     assert max(errors.values()) <= bound, (sorted(errors.items(), key=lambda kv: -kv[1])[:3], bound)
+
+
+def test_double_backward_is_refused():
+    """The backward op has no derivative of its own: create_graph=True must fail loudly, not
+    return first-order-only gradients."""
+    args = region_inputs("fused", False, torch.float32)
+    hidden, weights, biases, q_w, k_w, cos, sin = args
+    out = qkv_rope_qk_norm(hidden, weights, biases, q_w, k_w, cos, sin, 4, 2, EPS, EPS)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out[0].sum(), hidden, create_graph=True)

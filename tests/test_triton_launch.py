@@ -54,13 +54,14 @@ def test_launcher_reads_the_signature_convention():
         CachedLauncher(_constexpr_first_kernel)
 
 
-def test_every_package_kernel_launched_through_it_follows_the_convention():
-    # Built at import; a kernel breaking the convention would have failed there. Check that the
-    # tensor positions are the pointer parameters the launchers pass tensors to.
-    for launcher in (kb._TILES_LAUNCHER, kb._ROWS_LAUNCHER, kb._FINISH_LAUNCHER,
-                     forward_kernels._CACHE_KERNEL_LAUNCHER):
-        names = [launcher.arg_names[i] for i in launcher.tensor_positions]
-        assert names and all(n.endswith("_ptr") for n in names)
+def test_key_tells_apart_scalars_triton_compiles_differently():
+    """1, 1.0 and True are equal as dict keys, but Triton compiles a constexpr 1, an fp32 and a
+    u1 for them; 16 and 17 differ in divisibility. Each must be its own key."""
+    launcher = CachedLauncher(_scaled_copy_kernel)
+    x = torch.zeros(8)
+    keys = {launcher.key(0, (x, x, n, 1, 2.0), (64,), ()) for n in (1, 1.0, True, 16, 17)}
+    assert len(keys) == 5
+    assert launcher.key(0, (x, x, 8, 1, 2.0), (64,), ()) != launcher.key(0, (x[1:], x, 8, 1, 2.0), (64,), ())
 
 
 def test_key_covers_what_triton_specializes_a_tensor_on():
@@ -80,7 +81,7 @@ def test_key_covers_what_triton_specializes_a_tensor_on():
             key = (t.dtype, t.data_ptr() & 15)
             spec = native(BaseBackend, t, False, specialize, align)
             assert seen.setdefault(key, spec) == spec, (key, spec, seen[key])
-    # and the key does separate what Triton separates
+    # and each (dtype, alignment) pair is one specialization of its own
     assert len({v for v in seen.values()}) == len(seen)
 
 
@@ -216,3 +217,47 @@ def test_forward_kernel_takes_the_cached_handle(monkeypatch):
         for a, b in zip(outs[0], later):
             assert torch.equal(a, b)
     assert launcher.fast_launches == 2
+
+
+@needs_cuda
+def test_cached_launch_goes_to_the_current_stream_inside_graph_capture():
+    """A cached launch inside CUDA-graph capture on a side stream is captured (a launch on
+    another stream would fail the capture or be missing from the replay)."""
+    launcher = CachedLauncher(_scaled_copy_kernel)
+    src = torch.randn(1000, device="cuda").to(torch.bfloat16)
+    want, got = torch.empty_like(src), torch.empty_like(src)
+    grid, args, constexprs, options = _copy_args(src, want, 1)
+    _scaled_copy_kernel[grid](*args, **constexprs, **options)
+    launcher.launch(grid, (src, got, src.numel(), 1, 2.0), constexprs, options)  # caches the handle
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        launcher.launch(grid, (src, got, src.numel(), 1, 2.0), constexprs, options)
+    assert launcher.fast_launches == 1
+    got.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@needs_cuda
+def test_cached_handle_is_not_used_while_a_launch_hook_is_set():
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime.launch_enter_hook, "add"):
+        pytest.skip("this Triton has no launch-hook chain")
+    launcher = CachedLauncher(_scaled_copy_kernel)
+    src = torch.randn(256, device="cuda").to(torch.bfloat16)
+    got = torch.empty_like(src)
+    grid, _, constexprs, options = _copy_args(src, got, 1)
+    seen = []
+    hook = lambda metadata: seen.append(1)  # noqa: E731
+    launcher.launch(grid, (src, got, src.numel(), 1, 2.0), constexprs, options)
+    runtime.launch_enter_hook.add(hook)
+    try:
+        launcher.launch(grid, (src, got, src.numel(), 1, 2.0), constexprs, options)
+    finally:
+        runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert launcher.fast_launches == 0 and seen
