@@ -122,7 +122,6 @@ differences come from numpy's summation order and 1/sqrt, the same cause as on G
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +131,7 @@ from triton.language.extra import libdevice
 
 from .qk_norm_rope_cache_reference import NORM_STYLES
 from .rounding import round_to as _round
+from .triton_device import interpreting
 from .triton_launch import CachedLauncher
 
 #: Elements (one tensor, both halves) per program. 4096 with 4 warps = 32 elements per thread.
@@ -573,10 +573,6 @@ def launch_config(
     return LaunchConfig(half_block, heads, tokens, num_warps, grid)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _launch(
     q, k, v, q_weight, k_weight, cos, sin, position_ids, inv_freq, attention_scaling,
     k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
@@ -618,7 +614,7 @@ def _launch(
              HEADS_PER_PROGRAM=config.heads_per_program,
              TOKENS_PER_PROGRAM=config.tokens_per_program,
              ROPE_FROM_POSITIONS=from_positions,
-             INTERPRETED=_interpreted(),
+             INTERPRETED=interpreting(),
              NORM_STYLE=NORM_STYLES.index(norm),
              ROPE_FIRST=bool(rope_first),
              ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),

@@ -250,7 +250,7 @@ def check_qkv_rope_qk_norm_backward_args(
         _fail("qkv_rope_qk_norm_backward", name, expected, got)
 
     # Runs on every backward (the GPU waits for it at small B*S): torch.Size compared with tuples
-    # as is, each tensor's strides read once, argument names formatted only to fail.
+    # as is, argument names formatted only to fail.
     if q.dim() != 4:
         fail("q", "a 4-D tensor [B, S, Hq, D] (pre-RoPE projection view)", f"shape {tuple(q.shape)}")
     batch, seq, q_heads, head_dim = q.shape
