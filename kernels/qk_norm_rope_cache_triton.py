@@ -11,7 +11,7 @@ with Hugging Face's rounding (see ``qk_norm_rope_cache_reference.py``): statisti
 the normalized row rounded to the model dtype, the weight product rounded, each RoPE product
 rounded and their sum rounded. All math is fp32 (or exact native half-precision ops, see
 "Rounding and exactness"); every intermediate rounding is an explicit ``round to model dtype
-and back`` (``_round``).
+and back`` (``rounding.round_to``).
 
 Work decomposition
 ------------------
@@ -94,24 +94,20 @@ torch's own CUDA kernels use; positions reach 262144 radians, where ``cos.approx
 
 Rounding and exactness
 ----------------------
-Every rounding is written as ``x.to(dtype).to(fp32)`` (``rounding.round_to``) and the kernel is
-compiled with ``enable_fp_fusion=False`` (no FMA contraction, ptxas ``--fmad=false``). The
-compiler then turns each rounded product of two model-dtype values into a native
-``mul.rn.bf16`` and each rounded sum into ``add.rn.bf16`` / ``sub.rn.bf16``: correctly rounded,
-so the same bits as eager's fp32 op + round (a bf16 or fp16 product is exact in fp32, and an
-fp32 sum of two such values that is inexact is far from a bf16 tie). History: v1 used the same
-roundings with contraction on; the compiler fused a rounded product and the following add into
-one bf16 FMA (one rounding where eager rounds twice): ~12 % of the outputs differed from eager
-on the H200. v2 routed every rounding through an opaque inline-PTX ``cvt.rn`` (exact, 67 -> 85
-us on the largest case: instruction-bound), v3 only the four RoPE products (74 us); v4 is this
-scheme. The only remaining source of difference is the fp32 statistic: Triton's tree
+Every rounding is written as ``x.to(dtype).to(fp32)`` (``rounding.round_to``): the compiler
+turns each rounded product of two model-dtype values into a native ``mul.rn.bf16``, correctly
+rounded, so the same bits as eager's fp32 op + round (a bf16 or fp16 product is exact in fp32).
+The sum of two rounded products goes through ``rounding.round_sum`` (inline PTX on packed pairs): Inductor compiles user kernels with FMA contraction on, which would fuse a
+rounded product and the add into one FMA (one rounding where eager rounds twice; ~12 % of the
+outputs differed on the H200 when that happened: ``benchmarks/NOTES-forward.md``).
+The only remaining source of difference is the fp32 statistic: Triton's tree
 reduction sums the squares in another order than torch's ``mean``, which flips the rounding of
 a normalized value only near a tie (measured: 2.8e-6 of the normalized values). fp16 behaves
 the same; fp32 agrees to a few fp32 ulps.
 
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) bf16 values are raw uint16
 and the fp32 -> bf16 cast truncates. The kernel therefore takes a constexpr ``INTERPRETED``
-flag: when set, ``_round`` emulates round-to-nearest-even for bf16 with integer bit
+flag: when set, ``round_to`` emulates round-to-nearest-even for bf16 with integer bit
 arithmetic (the GPU build never contains that code) and the transcendental functions use
 ``tl.cos``/``tl.sin``/``tl.rsqrt`` (numpy) because libdevice has no interpreter
 implementation. Measured on CPU against the reference (RoPE-term-scale ulps, 60 random cases
@@ -130,17 +126,15 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .qk_norm_rope_cache_reference import NORM_STYLES
-from .rounding import round_to as _round
+from .rounding import round_sum
+from .rounding import round_to
 from .triton_device import interpreting
-from .triton_launch import CachedLauncher
+from .triton_call import TritonCall, named_args
 
 #: Elements (one tensor, both halves) per program. 4096 with 4 warps = 32 elements per thread.
 TILE_ELEMENTS = 4096
 #: Warps per program.
 NUM_WARPS = 4
-#: Compiler options of every launch. Eager rounds each RoPE product, then the sum: with FMA
-#: contraction the compiler fuses a rounded product and the add into one bf16 FMA (one rounding).
-COMPILE_OPTIONS = dict(enable_fp_fusion=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,8 +231,8 @@ def _load_cos_sin(
         else:
             cos = libdevice.cos(freqs)
             sin = libdevice.sin(freqs)
-        cos = _round(cos * attention_scaling, dtype, INTERPRETED)[None, :, :]
-        sin = _round(sin * attention_scaling, dtype, INTERPRETED)[None, :, :]
+        cos = round_to(cos * attention_scaling, dtype, INTERPRETED)[None, :, :]
+        sin = round_to(sin * attention_scaling, dtype, INTERPRETED)[None, :, :]
         # emb = cat(freqs, freqs): both halves share one table.
         return cos, cos, sin, sin
     else:
@@ -259,16 +253,16 @@ def _weighted(normed, w, dtype: tl.constexpr, NORM_STYLE: tl.constexpr, INTERPRE
     (``NORM_STYLES[NORM_STYLE]``, see ``qk_norm_rope_cache_reference``)."""
     if NORM_STYLE == 0:
         # "weight" (Qwen3RMSNorm): ``weight * n.to(dtype)``: the row rounded, then the product.
-        return _round(w * _round(normed, dtype, INTERPRETED), dtype, INTERPRETED)
+        return round_to(w * round_to(normed, dtype, INTERPRETED), dtype, INTERPRETED)
     elif NORM_STYLE == 1:
         # "fp32_weight" (torch.nn.RMSNorm): ``(n * weight).to(dtype)``: fp32 product, one rounding.
-        return _round(normed * w, dtype, INTERPRETED)
+        return round_to(normed * w, dtype, INTERPRETED)
     elif NORM_STYLE == 2:
         # "fp32_one_plus_weight" (Gemma3RMSNorm): ``(n * (1.0 + weight.float())).type_as(x)``.
-        return _round(normed * (1.0 + w), dtype, INTERPRETED)
+        return round_to(normed * (1.0 + w), dtype, INTERPRETED)
     else:
         # "no_weight": ``n.to(dtype)``.
-        return _round(normed, dtype, INTERPRETED)
+        return round_to(normed, dtype, INTERPRETED)
 
 
 @triton.jit
@@ -316,9 +310,9 @@ def _rope(y1, y2, cos1, cos2, sin1, sin2, dtype: tl.constexpr, INTERPRETED: tl.c
     c2 = cos2
     s1 = sin1
     s2 = sin2
-    # Rounded products feeding an add: exact only because the launch disables FMA contraction.
-    out1 = _round(_round(y1 * c1, dtype, INTERPRETED) - _round(y2 * s1, dtype, INTERPRETED), dtype, INTERPRETED)
-    out2 = _round(_round(y2 * c2, dtype, INTERPRETED) + _round(y1 * s2, dtype, INTERPRETED), dtype, INTERPRETED)
+    # round_sum: contracted with a product into an FMA, the add would round once.
+    out1 = round_sum(round_to(y1 * c1, dtype, INTERPRETED), -round_to(y2 * s1, dtype, INTERPRETED), dtype, INTERPRETED)
+    out2 = round_sum(round_to(y2 * c2, dtype, INTERPRETED), round_to(y1 * s2, dtype, INTERPRETED), dtype, INTERPRETED)
     return out1, out2
 
 
@@ -422,6 +416,11 @@ def _qk_norm_rope_cache_kernel(
     SECOND_OFFSETS: tl.constexpr = PARTIAL or INTERLEAVED
     COS_SHIFT: tl.constexpr = 0 if INTERLEAVED else ROT_HALF
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
+    if not INTERPRETED:
+        # Inductor passes Python floats as fp64 scalars; eager adds eps to the fp32 statistic.
+        q_eps = tl.cast(q_eps, tl.float32)
+        k_eps = tl.cast(k_eps, tl.float32)
+        attention_scaling = tl.cast(attention_scaling, tl.float32)
 
     token_block = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -533,16 +532,36 @@ class LaunchConfig:
     heads_per_program: int
     tokens_per_program: int
     num_warps: int
-    grid: tuple[int, int, int]  # (token blocks, q + k + v head blocks, batch)
+    grid: tuple  # (token blocks, q + k + v head blocks, batch): ints, or SymInts for dynamic shapes
 
 
-# Pure function of a few ints, called on every launch: cached, it costs ~0.3 us instead of 12.
 @functools.lru_cache(maxsize=4096)
+def _tile(kv_heads: int, seq_len: int | None, head_dim: int, element_size: int, tokens_per_program: int | None,
+          heads_per_program: int | None, num_warps: int | None) -> tuple[int, int, int, int]:
+    """(half_block, heads, tokens, num_warps) of ``launch_config``; ``seq_len`` None: not known
+    at trace time (a symbolic length), which takes the tile of long sequences."""
+    half_block = triton.next_power_of_2(max(1, head_dim // 2))
+    rows = max(1, TILE_ELEMENTS // (2 * half_block))
+    heads = heads_per_program or min(triton.next_power_of_2(kv_heads), rows)
+    tokens = tokens_per_program or max(1, rows // heads)
+    if seq_len is not None and not tokens_per_program:
+        tokens = min(tokens, triton.next_power_of_2(max(1, seq_len)))
+    for name, value in (("heads_per_program", heads), ("tokens_per_program", tokens)):
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if num_warps is None:
+        # At most NUM_WARPS, and no more warps than give every lane one 16-byte vector per half
+        # row: a decode tile of 8 heads x 1 token x 64 bf16 takes 2 warps, not 4 half-idle ones.
+        vector = max(1, 16 // element_size)
+        num_warps = min(NUM_WARPS, triton.next_power_of_2(max(1, heads * tokens * half_block // (32 * vector))))
+    return half_block, heads, tokens, num_warps
+
+
 def launch_config(
-    batch: int,
+    batch,
     q_heads: int,
     kv_heads: int,
-    seq_len: int,
+    seq_len,
     head_dim: int,
     element_size: int = 2,
     tokens_per_program: int | None = None,
@@ -554,78 +573,107 @@ def launch_config(
     Rule: ``rows = TILE_ELEMENTS // D`` rows (head x token) per program,
     ``heads = min(next_pow2(Hkv), rows)``, ``tokens = min(rows // heads, next_pow2(S))``,
     ``num_warps = min(NUM_WARPS, lanes needed for one 16-byte vector each per half row)``.
-    The overrides (powers of two) exist for tuning sweeps and tests.
+    ``batch`` and ``seq_len`` may be SymInts (dynamic shapes): a symbolic S takes
+    ``tokens = rows // heads`` (no guard on S, so no recompile per length) and the grid is an
+    expression of B and S. The overrides (powers of two) exist for tuning sweeps and tests.
     """
-    half_block = triton.next_power_of_2(max(1, head_dim // 2))
-    rows = max(1, TILE_ELEMENTS // (2 * half_block))
-    heads = heads_per_program or min(triton.next_power_of_2(kv_heads), rows)
-    tokens = tokens_per_program or min(max(1, rows // heads), triton.next_power_of_2(max(1, seq_len)))
-    for name, value in (("heads_per_program", heads), ("tokens_per_program", tokens)):
-        if value & (value - 1):
-            raise ValueError(f"{name} must be a power of two, got {value}")
-    if num_warps is None:
-        # At most NUM_WARPS, and no more warps than give every lane one 16-byte vector per half
-        # row: a decode tile of 8 heads x 1 token x 64 bf16 takes 2 warps, not 4 half-idle ones.
-        vector = max(1, 16 // element_size)
-        num_warps = min(NUM_WARPS, triton.next_power_of_2(max(1, heads * tokens * half_block // (32 * vector))))
+    half_block, heads, tokens, num_warps = _tile(
+        kv_heads, seq_len if isinstance(seq_len, int) else None, head_dim, element_size, tokens_per_program,
+        heads_per_program, num_warps)
     head_blocks = triton.cdiv(q_heads, heads) + 2 * triton.cdiv(kv_heads, heads)
-    grid = (triton.cdiv(seq_len, tokens), head_blocks, batch)
+    grid = ((seq_len + tokens - 1) // tokens, head_blocks, batch)
     return LaunchConfig(half_block, heads, tokens, num_warps, grid)
 
 
-def _launch(
-    q, k, v, q_weight, k_weight, cos, sin, position_ids, inv_freq, attention_scaling,
-    k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-    tokens_per_program, heads_per_program, num_warps, norm="weight", rope_first=False, rotary_dim=None,
-    interleaved=False,
-) -> None:
+def _batch_stride(t: torch.Tensor):
+    """A [1 or B, ...] table's batch stride: 0 when shared by the batch."""
+    return 0 if isinstance(t.shape[0], int) and t.shape[0] == 1 else t.stride(0)
+
+
+def cache_kernel_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_position: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    *,
+    norm: str = "weight",
+    rope_first: bool = False,
+    rotary_dim: int | None = None,
+    interleaved: bool = False,
+    position_ids: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+    attention_scaling: float = 1.0,
+    k_cache_storage: torch.Tensor | None = None,
+    v_cache_storage: torch.Tensor | None = None,
+    tokens_per_program: int | None = None,
+    heads_per_program: int | None = None,
+    num_warps: int | None = None,
+) -> TritonCall:
+    """The kernel launch for these (real or fake) tensors, with every argument named.
+
+    Arguments are those of ``qk_norm_rope_cache_triton`` (which runs it) and, for cos/sin computed
+    in the kernel, of ``qk_norm_rope_cache_from_positions_triton`` (cos = sin = None).
+    ``k_cache``/``v_cache`` give the [B, Hkv, L, D] addressing (strides, L); the kernel writes
+    through ``k_cache_storage``/``v_cache_storage`` when given (the user's paged cache tensors,
+    of which ``k_cache``/``v_cache`` are views at offset 0: the graph must name the tensors it
+    mutates). Pure: nothing is launched or checked here beyond what the launch needs; sizes may be
+    SymInts. The tensor arguments the kernel writes are ``WRITTEN_ARGS``.
+    """
     batch, q_heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
-    if q.numel() == 0 or k.numel() == 0:
-        return
-    config = launch_config(
-        batch, q_heads, kv_heads, seq_len, head_dim, q.element_size(), tokens_per_program, heads_per_program, num_warps
-    )
+    config = launch_config(batch, q_heads, kv_heads, seq_len, head_dim, q.element_size(), tokens_per_program,
+                           heads_per_program, num_warps)
     from_positions = position_ids is not None
     if from_positions:
-        cos = sin = q_weight  # unused pointers (constexpr branch)
+        cos = sin = q  # unused pointers (constexpr branch)
         cos_strides = sin_strides = (0, 0)
-        pos_strides = (position_ids.stride(0) if position_ids.shape[0] > 1 else 0, position_ids.stride(1))
+        pos_strides = (_batch_stride(position_ids), position_ids.stride(1))
     else:
         position_ids = inv_freq = cache_position  # unused pointers (constexpr branch)
-        cos_strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1))
-        sin_strides = (sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1))
+        cos_strides = (_batch_stride(cos), cos.stride(1))
+        sin_strides = (_batch_stride(sin), sin.stride(1))
         pos_strides = (0, 0)
     if norm == "no_weight":
         q_weight = k_weight = q  # unused pointers (constexpr branch)
-    _CACHE_KERNEL_LAUNCHER.launch(
-        config.grid,
-        (q, k, v, q_weight, k_weight,
-         cos, sin, position_ids, inv_freq,
-         k_cache, v_cache, cache_position, q_out, k_out,
-         seq_len, q_heads, kv_heads, k_cache.shape[2],
-         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-         *q_out.stride()[:3], *k_out.stride()[:3],
-         *k_cache.stride()[:3], *v_cache.stride()[:3],
-         *cos_strides, *sin_strides, *pos_strides, cache_position.stride(0),
-         float(q_eps), float(k_eps), float(attention_scaling)),
-        dict(HEAD_DIM=head_dim,
-             HALF_BLOCK=config.half_block,
-             HEADS_PER_PROGRAM=config.heads_per_program,
-             TOKENS_PER_PROGRAM=config.tokens_per_program,
-             ROPE_FROM_POSITIONS=from_positions,
-             INTERPRETED=interpreting(),
-             NORM_STYLE=NORM_STYLES.index(norm),
-             ROPE_FIRST=bool(rope_first),
-             ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),
-             INTERLEAVED=bool(interleaved)),
-        dict(num_warps=config.num_warps, **COMPILE_OPTIONS),
+    kwargs = named_args(
+        _qk_norm_rope_cache_kernel,
+        q, k, v, q_weight, k_weight,
+        cos, sin, position_ids, inv_freq,
+        k_cache if k_cache_storage is None else k_cache_storage,
+        v_cache if v_cache_storage is None else v_cache_storage,
+        cache_position, q_out, k_out,
+        seq_len, q_heads, kv_heads, k_cache.shape[2],
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *q_out.stride()[:3], *k_out.stride()[:3],
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *cos_strides, *sin_strides, *pos_strides, cache_position.stride(0),
+        float(q_eps), float(k_eps), float(attention_scaling),
+        HEAD_DIM=head_dim,
+        HALF_BLOCK=config.half_block,
+        HEADS_PER_PROGRAM=config.heads_per_program,
+        TOKENS_PER_PROGRAM=config.tokens_per_program,
+        ROPE_FROM_POSITIONS=from_positions,
+        INTERPRETED=interpreting(),
+        NORM_STYLE=NORM_STYLES.index(norm),
+        ROPE_FIRST=bool(rope_first),
+        ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),
+        INTERLEAVED=bool(interleaved),
     )
+    return TritonCall(_qk_norm_rope_cache_kernel, config.grid, kwargs, config.num_warps)
 
 
-# Launches through a cached compiled handle (kernels/triton_launch.py): a decode step is
-# host-bound without CUDA graphs, and Triton's per-call binder costs more than the launch itself.
-_CACHE_KERNEL_LAUNCHER = CachedLauncher(_qk_norm_rope_cache_kernel)
+#: The tensor arguments of ``cache_kernel_call``'s launch that the kernel writes.
+WRITTEN_ARGS = ("q_out_ptr", "k_out_ptr", "k_cache_ptr", "v_cache_ptr")
 
 
 # --------------------------------------------------------------------------------------------
@@ -682,11 +730,13 @@ def qk_norm_rope_cache_triton(
             (GPT-J / GLM ``rotate_half`` on interleaved features; the ``INTERLEAVED`` constexpr);
             not with a partial ``rotary_dim``.
     """
-    _launch(
-        q, k, v, q_weight, k_weight, cos, sin, None, None, 1.0,
-        k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-        tokens_per_program, heads_per_program, num_warps, norm, rope_first, rotary_dim, interleaved,
-    )
+    if q.numel() == 0 or k.numel() == 0:
+        return
+    cache_kernel_call(
+        q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
+        norm=norm, rope_first=rope_first, rotary_dim=rotary_dim, interleaved=interleaved,
+        tokens_per_program=tokens_per_program, heads_per_program=heads_per_program, num_warps=num_warps,
+    ).run()
 
 
 def qk_norm_rope_cache_from_positions_triton(
@@ -731,11 +781,13 @@ def qk_norm_rope_cache_from_positions_triton(
             f"inv_freq: expected a contiguous fp32 tensor of shape [{head_dim // 2}], "
             f"got {inv_freq.dtype} {tuple(inv_freq.shape)} strides {inv_freq.stride()}"
         )
-    _launch(
-        q, k, v, q_weight, k_weight, None, None, position_ids, inv_freq, attention_scaling,
-        k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-        tokens_per_program, heads_per_program, num_warps,
-    )
+    if q.numel() == 0 or k.numel() == 0:
+        return
+    cache_kernel_call(
+        q, k, v, q_weight, k_weight, None, None, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
+        position_ids=position_ids, inv_freq=inv_freq, attention_scaling=attention_scaling,
+        tokens_per_program=tokens_per_program, heads_per_program=heads_per_program, num_warps=num_warps,
+    ).run()
 
 
 # --------------------------------------------------------------------------------------------

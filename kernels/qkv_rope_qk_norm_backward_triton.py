@@ -28,11 +28,14 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    k parts separately: a sub-ulp difference).
 
    Rounding of the per-element R(.) above (``_rnd``, via kernels/rounding.py ``round_to``): on the
-   GPU a plain ``.to(dtype).to(fp32)`` with the kernel compiled under ``enable_fp_fusion=False``,
-   so the compiler emits native ``mul.rn.bf16`` / ``add.rn.bf16`` (correctly rounded: the same
-   bits as eager's fp32 op + round) or one ``cvt.rn`` and never contracts a rounded product into
-   an FMA; under the interpreter, whose fp32 -> bf16 cast truncates, integer RNE on the fp32 bit
-   pattern for bf16 (numpy's correctly rounding cast for fp16). Both are RNE: same bits. Only
+   GPU a plain ``.to(dtype).to(fp32)``, so the compiler emits native ``mul.rn.bf16`` (correctly
+   rounded: the same bits as eager's fp32 op + round) or one ``cvt.rn``; the RoPE sums of two
+   rounded products go through ``_rnd_sum`` (``rounding.round_sum``, inline PTX), which FMA
+   contraction (on, as Inductor compiles user kernels) cannot fuse with the products. Under the
+   interpreter, whose fp32 -> bf16 cast truncates, integer RNE on the fp32 bit pattern for bf16
+   (numpy's correctly rounding cast for fp16). Both are RNE: same bits. The fp32 parts (the norm
+   backward's ``rstd*gn - x*coef``, the sums over heads) may be contracted into fp32 FMAs: one
+   rounding fewer than autograd's fp32 ops, far below the bf16 rounding that follows. Only
    the final rounding of fp32 accumulators (``_round``: the partial-sum kernels, once per output
    element) uses the integer RNE on the GPU as well.
    (v1 used the integer RNE for every rounding on the GPU: ~8 integer ops x ~14 roundings per
@@ -81,8 +84,14 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    so grad_qkv and grad_cos/sin bits do not either (weight grads: within 1 ulp).
 
 2. The two projection GEMMs ``grad_hidden = grad_qkv @ W`` and ``grad_W = grad_qkv.T @ hidden``
-   (+ optional bias grad): ``kernels/projection_backward.py`` (cuBLAS by default; its Triton
-   kernels and a two-stream route are measured alternatives, see there).
+   (+ optional bias grad): ``kernels/projection_backward.py``, torch matrix products (in a
+   compiled graph ``aten.mm`` nodes that Inductor lowers).
+
+Every launch is described once (``kernels/triton_call.py``): eager callers run it
+(``qk_norm_rope_backward_triton``), compiled training graphs get it as kernel nodes
+(``qk_norm_rope_backward_in_graph``): the k and v column blocks of grad_qkv are addressed as
+element offsets from the q block's pointer, so that one node writes the whole [M, qkv_size]
+buffer.
 
 Measured error (H200, torch 2.11, triton 3.6, 2026-11-29; all 16 cases of WORKLOADS.md B,
 relative error vs a float64 autograd reference, ``rel_err`` of ``benchmarks/bench_backward.py``):
@@ -104,10 +113,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .projection_backward import qkv_projection_backward
-from .rounding import round_to
+from .projection_backward import projection_gemms
+from .rounding import round_sum, round_to
 from .triton_device import sm_count, triton_applicable
-from .triton_launch import CachedLauncher
+from .triton_call import TritonCall, named_args
 
 # ----------------------------------------------------------------------------------------------
 # Tunables (explicit, documented above; the lead sets them from benchmarks/bench_backward.py).
@@ -128,9 +137,6 @@ ELEMENTWISE_PROGRAMS_PER_SM = 12  # program-count target of the elementwise pass
 ELEMENTWISE_MAX_TILES_PER_PROGRAM = 4  # cap on the token tiles one elementwise program walks
 ELEMENTWISE_TILE_ELEMENTS = 4096  # elements (heads x tokens x D) per elementwise tile
 ELEMENTWISE_NUM_WARPS = 4
-# Compiler options of the elementwise launch: autograd rounds each product, then the sum; with FMA
-# contraction the compiler would fuse a rounded product and the add into one FMA (see _rnd).
-COMPILE_OPTIONS = dict(enable_fp_fusion=False)
 
 _ROUND_NONE, _ROUND_BF16, _ROUND_FP16 = 0, 1, 2
 _ROUND_MODE = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
@@ -191,14 +197,26 @@ def _round(x, ROUND: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _rnd(x, ROUND: tl.constexpr, INTERP: tl.constexpr):
-    """``_round`` for the hot loop: native half-precision rounding on the GPU (exact because the
-    elementwise kernel is compiled without FMA contraction), bit arithmetic in the interpreter."""
+    """``_round`` for the hot loop: native half-precision rounding on the GPU, bit arithmetic in
+    the interpreter. A rounded product that feeds an add goes through ``_rnd_sum``."""
     if ROUND == 1:
         return round_to(x, tl.bfloat16, INTERP)
     elif ROUND == 2:
         return round_to(x, tl.float16, INTERP)
     else:
         return x
+
+
+@triton.jit
+def _rnd_sum(a, b, ROUND: tl.constexpr, INTERP: tl.constexpr):
+    """``_rnd(a + b)`` of two rounded products, the add never contracted into an FMA with them
+    (``rounding.round_sum``): the RoPE forward and its transpose round as autograd does."""
+    if ROUND == 1:
+        return round_sum(a, b, tl.bfloat16, INTERP)
+    elif ROUND == 2:
+        return round_sum(a, b, tl.float16, INTERP)
+    else:
+        return a + b
 
 
 @triton.jit
@@ -258,8 +276,8 @@ def _qk_tile(
     r = r.to(tl.float32)[:, :, None]
 
     # RoPE recomputed with eager's roundings: x = R(R(q*cos) + R(rotate_half(q)*sin)).
-    x1 = _rnd(_rnd(q1 * c1, ROUND, INTERP) - _rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
-    x2 = _rnd(_rnd(q2 * c2, ROUND, INTERP) + _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+    x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
+    x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
 
     gn1 = _rnd(g1 * w1[None, None, :], ROUND, INTERP)
     gn2 = _rnd(g2 * w2[None, None, :], ROUND, INTERP)
@@ -302,8 +320,8 @@ def _qk_tile(
         tl.store(cs_row + (D + HALF), gs2, mask=m2)
 
     # RoPE backward: dq = dx*cos + rotate_half^T(dx*sin), rotate_half^T(y) = cat(y2, -y1).
-    dq1 = _rnd(_rnd(dx1 * c1, ROUND, INTERP) + _rnd(dx2 * s2, ROUND, INTERP), ROUND, INTERP)
-    dq2 = _rnd(_rnd(dx2 * c2, ROUND, INTERP) - _rnd(dx1 * s1, ROUND, INTERP), ROUND, INTERP)
+    dq1 = _rnd_sum(_rnd(dx1 * c1, ROUND, INTERP), _rnd(dx2 * s2, ROUND, INTERP), ROUND, INTERP)
+    dq2 = _rnd_sum(_rnd(dx2 * c2, ROUND, INTERP), -_rnd(dx1 * s1, ROUND, INTERP), ROUND, INTERP)
     o_off = (h * D)[:, None, None] + (b * o_sb + s * o_ss)[None, :, None] + d3
     tl.store(o_ptr + o_off, dq1, mask=m3)
     tl.store(o_ptr + o_off + HALF, dq2, mask=m3)
@@ -322,9 +340,9 @@ def _qk_norm_rope_bwd_kernel(
     cos_ptr, cos_sb, cos_ss,  # cos [Bc, S, D] (cos_sb = 0 when Bc == 1)
     sin_ptr, sin_sb, sin_ss,
     wq_ptr, wk_ptr,  # norm weights [D], contiguous
-    dq_ptr, dq_sb, dq_ss,  # outputs: d(q_proj) [B, S, Hq*D], heads contiguous
-    dk_ptr, dk_sb, dk_ss,
-    dv_ptr, dv_sb, dv_ss,
+    dq_ptr, dq_sb, dq_ss,  # output: d(q_proj) [B, S, Hq*D], heads contiguous
+    dk_off, dk_sb, dk_ss,  # d(k_proj) at dq_ptr + dk_off (one buffer: see _launch)
+    dv_off, dv_sb, dv_ss,
     gw_ws_ptr,  # [PQ + PK, D] fp32 norm-weight partials, one row per q / k program (NEED_W)
     cs_ws_ptr,  # [NQB + NKB, M, 2*D] fp32 cos/sin partials per (head block, token) (NEED_CS)
     M, S,
@@ -339,6 +357,8 @@ def _qk_norm_rope_bwd_kernel(
     """1-D grid: [q programs | k programs | v programs]. Program (kind, head block hb, group g)
     handles the token tiles g, g + G, g + 2G, ... of that head block (tiles of BH x BT rows)."""
     pid = tl.program_id(0)
+    dk_ptr = dq_ptr + dk_off
+    dv_ptr = dq_ptr + dv_off
     NQB: tl.constexpr = (HQ + BHQ - 1) // BHQ
     NKB: tl.constexpr = (HKV + BHK - 1) // BHK
     PQ = NQB * GQ
@@ -428,8 +448,8 @@ def _qk_head_rows(
     q2 = tl.load(x_ptr + x_off + HALF, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
     r = tl.load(r_ptr + r_rows, mask=tm, other=0.0).to(tl.float32)[:, None]
 
-    x1 = _rnd(_rnd(q1 * c1, ROUND, INTERP) - _rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
-    x2 = _rnd(_rnd(q2 * c2, ROUND, INTERP) + _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+    x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
+    x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
     gn1 = _rnd(g1 * w1[None, :], ROUND, INTERP)
     gn2 = _rnd(g2 * w2[None, :], ROUND, INTERP)
     dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BT]: across the lanes of one warp
@@ -444,8 +464,8 @@ def _qk_head_rows(
         gc2 += _rnd(dx2 * q2, ROUND, INTERP)
         gs1 += _rnd(dx1 * q2, ROUND, INTERP)
         gs2 += _rnd(dx2 * q1, ROUND, INTERP)
-    dq1 = _rnd(_rnd(dx1 * c1, ROUND, INTERP) + _rnd(dx2 * s2, ROUND, INTERP), ROUND, INTERP)
-    dq2 = _rnd(_rnd(dx2 * c2, ROUND, INTERP) - _rnd(dx1 * s1, ROUND, INTERP), ROUND, INTERP)
+    dq1 = _rnd_sum(_rnd(dx1 * c1, ROUND, INTERP), _rnd(dx2 * s2, ROUND, INTERP), ROUND, INTERP)
+    dq2 = _rnd_sum(_rnd(dx2 * c2, ROUND, INTERP), -_rnd(dx1 * s1, ROUND, INTERP), ROUND, INTERP)
     o_off = o_rows[:, None] + d[None, :]
     tl.store(o_ptr + o_off, dq1, mask=m2)
     tl.store(o_ptr + o_off + HALF, dq2, mask=m2)
@@ -499,9 +519,9 @@ def _qk_norm_rope_bwd_rows_kernel(
     cos_ptr, cos_sb, cos_ss,  # cos [Bc, S, D] (cos_sb = 0 when Bc == 1)
     sin_ptr, sin_sb, sin_ss,
     wq_ptr, wk_ptr,  # norm weights [D], contiguous
-    dq_ptr, dq_sb, dq_ss,  # outputs: d(q_proj) [B, S, Hq*D], heads contiguous
-    dk_ptr, dk_sb, dk_ss,
-    dv_ptr, dv_sb, dv_ss,
+    dq_ptr, dq_sb, dq_ss,  # output: d(q_proj) [B, S, Hq*D], heads contiguous
+    dk_off, dk_sb, dk_ss,  # d(k_proj) at dq_ptr + dk_off (one buffer: see _launch)
+    dv_off, dv_sb, dv_ss,
     gw_ws_ptr,  # [2 * P, D] fp32 norm-weight partials: q rows [0, P), k rows [P, 2P) (NEED_W)
     cs_ws_ptr,  # [NS, M, 2*D] fp32 cos/sin partials per (head slice, token) (NEED_CS, not CS_DIRECT)
     gc_ptr, gs_ptr,  # grad_cos / grad_sin [B, S, D] contiguous (NEED_CS and CS_DIRECT)
@@ -516,6 +536,8 @@ def _qk_norm_rope_bwd_rows_kernel(
     and keeps the norm-weight and cos/sin grads as per-thread sums over heads, so nothing crosses
     threads but the per-row dot product (within a warp) and one final reduction over tokens."""
     pid = tl.program_id(0)
+    dk_ptr = dq_ptr + dk_off
+    dv_ptr = dq_ptr + dv_off
     tile = pid // NS
     slice_ = pid - tile * NS
     t = tile.to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
@@ -637,12 +659,7 @@ def _finish_partials_kernel(
                 tl.store(gkw_ptr + cols, w_acc, mask=cmask)
 
 
-# Launches through cached compiled handles (kernels/triton_launch.py): at small M the backward
-# is host-bound, and Triton's per-call binder costs more than the launch itself.
-_TILES_LAUNCHER = CachedLauncher(_qk_norm_rope_bwd_kernel)
-_ROWS_LAUNCHER = CachedLauncher(_qk_norm_rope_bwd_rows_kernel)
-_FINISH_LAUNCHER = CachedLauncher(_finish_partials_kernel)
-_FINISH_OPTIONS = dict(num_warps=4)
+_FINISH_NUM_WARPS = 4
 
 
 def elementwise_supported(grad_q, grad_k, grad_v, q, k, cos, sin, q_weight, k_weight) -> bool:
@@ -888,17 +905,85 @@ def qk_norm_rope_backward_triton(
     dq_sb, dq_ss = _bsn_strides(grad_q_proj, dq_st, B, S, HQ * D, "grad_q_proj")
     dk_sb, dk_ss = _bsn_strides(grad_k_proj, dk_st, B, S, HKV * D, "grad_k_proj")
     dv_sb, dv_ss = _bsn_strides(grad_v_proj, dv_st, B, S, HKV * D, "grad_v_proj")
+    offsets = []
+    for name, part in (("grad_k_proj", grad_k_proj), ("grad_v_proj", grad_v_proj)):
+        if part.untyped_storage().data_ptr() != grad_q_proj.untyped_storage().data_ptr():
+            raise ValueError(f"qk_norm_rope_backward_triton: {name}: expected a view of grad_q_proj's buffer "
+                             "(the three parts are column slices of one [M, qkv_size] gradient)")
+        offsets.append(part.storage_offset() - grad_q_proj.storage_offset())
     rq_s = _rstd_strides(q_rstd, B, HQ, S, "q_rstd")
     rk_s = _rstd_strides(k_rstd, B, HKV, S, "k_rstd")
-
     M = B * S
     if M == 0:
         gw = (torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if need_weight_grad else (None, None)
         gcs = (torch.zeros_like(cos), torch.zeros_like(sin)) if need_cos_sin_grad else (None, None)
         return gw[0], gw[1], gcs[0], gcs[1]
+    _, gqw, gkw, gcos, gsin = _elementwise(
+        grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
+        grad_q_proj, (dq_sb, dq_ss), (offsets[0], dk_sb, dk_ss), (offsets[1], dv_sb, dv_ss), rq_s, rk_s,
+        need_weight_grad, need_cos_sin_grad, num_programs, in_graph=False)
+    return gqw, gkw, gcos, gsin
 
-    # The leading arguments of both elementwise kernels (same signature up to the workspaces).
-    tensor_args = (
+
+def qk_norm_rope_backward_in_graph(
+    grad_q: torch.Tensor,
+    grad_k: torch.Tensor,
+    grad_v: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_rstd: torch.Tensor,
+    k_rstd: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    need_weight_grad: bool,
+    need_cos_sin_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``qk_norm_rope_backward_triton`` traced into a graph: its launches become Triton kernel
+    nodes (``TritonCall.in_graph``) that Inductor launches itself.
+
+    Called while tracing (FakeTensors with static sizes; the training pattern's replacement), with
+    the arguments of ``qk_norm_rope_backward_triton`` already checked by the pattern. Allocates the
+    gradient of the projection output itself.
+
+    Returns:
+        (grad_proj [B*S, (Hq + 2*Hkv) * D] with q's dtype, columns ordered q | k | v;
+        grad_q_weight, grad_k_weight [D]; grad_cos, grad_sin [Bc, S, D]), None where not requested.
+    """
+    B, HQ, S, D = grad_q.shape
+    HKV = grad_k.shape[1]
+    nq, nk = HQ * D, HKV * D
+    grad_proj = q.new_empty((B * S, nq + 2 * nk))
+    row = grad_proj.stride(0)
+    grad_proj, gqw, gkw, gcos, gsin = _elementwise(
+        grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
+        grad_proj, (S * row, row), (nq, S * row, row), (nq + nk, S * row, row),
+        _rstd_strides(q_rstd, B, HQ, S, "q_rstd"), _rstd_strides(k_rstd, B, HKV, S, "k_rstd"),
+        need_weight_grad, need_cos_sin_grad, None, in_graph=True)
+    return grad_proj, gqw, gkw, gcos, gsin
+
+
+def _run(call: TritonCall, written: tuple[str, ...], in_graph: bool) -> dict[str, torch.Tensor]:
+    """Launch now, or record the launch in the graph; the written tensors by argument name (in a
+    graph: their new values, which the next launch must read)."""
+    if in_graph:
+        return call.in_graph(written)
+    call.run()
+    return {name: call.kwargs[name] for name in written}
+
+
+def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight, grad_proj,
+                 dq_strides, dk_layout, dv_layout, rq_s, rk_s, need_w, need_cs, num_programs, in_graph):
+    """The elementwise kernel (v3 or v5 by M), then the finishing sums; returns (grad_proj, gqw,
+    gkw, gcos, gsin). ``grad_proj`` is the q part's view; the k and v parts lie at element offsets
+    ``dk_layout[0]``/``dv_layout[0]`` from it (one buffer: a graph node writes whole tensors)."""
+    B, HQ, S, D = grad_q.shape
+    HKV = grad_k.shape[1]
+    M, Bc, dev = B * S, cos.shape[0], q.device
+    gq_s, gk_s, gv_s, q_s, k_s = (t.stride() for t in (grad_q, grad_k, grad_v, q, k))
+    cos_s, sin_s = cos.stride(), sin.stride()
+    leading = (
         grad_q, gq_s[0], gq_s[1], gq_s[2],
         grad_k, gk_s[0], gk_s[1], gk_s[2],
         grad_v, gv_s[0], gv_s[1], gv_s[2],
@@ -909,13 +994,54 @@ def qk_norm_rope_backward_triton(
         cos, cos_s[0] if Bc > 1 else 0, cos_s[1],
         sin, sin_s[0] if Bc > 1 else 0, sin_s[1],
         q_weight, k_weight,
-        grad_q_proj, dq_sb, dq_ss,
-        grad_k_proj, dk_sb, dk_ss,
-        grad_v_proj, dv_sb, dv_ss,
+        grad_proj, *dq_strides, *dk_layout, *dv_layout,
     )
-    launch = _launch_token_rows if elementwise_tiling(M) == "token_rows" else _launch_head_tiles
-    return launch(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos, sin, need_weight_grad,
-                  need_cos_sin_grad, num_programs)
+    unused = torch.empty((1,), device=dev, dtype=torch.float32)  # pointer of a constexpr-disabled argument
+    grad_cos = grad_sin = None
+    common = dict(HQ=HQ, HKV=HKV, D=D, HALF=D // 2, ROUND=_ROUND_MODE[q.dtype], INTERP=not q.is_cuda,
+                  NEED_W=need_w, NEED_CS=need_cs)
+    if elementwise_tiling(M) == "token_rows":
+        plan = _rows_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
+                          max(1, round(ROWS_PROGRAMS_PER_SM * sm_count(q))) if num_programs is None else num_programs,
+                          ROWS_TOKENS)
+        gw_ws = torch.empty((2 * plan.programs, D), device=dev, dtype=torch.float32) if need_w else unused
+        cs_ws = unused
+        if need_cs and not plan.cs_direct:
+            cs_ws = torch.empty((plan.NS, M, 2 * D), device=dev, dtype=torch.float32)
+        gc = gs = unused
+        if need_cs and plan.cs_direct:
+            gc = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
+            gs = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
+        call = TritonCall(_qk_norm_rope_bwd_rows_kernel, (plan.programs,), named_args(
+            _qk_norm_rope_bwd_rows_kernel, *leading, gw_ws, cs_ws, gc, gs, M, S, plan.programs,
+            BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BT=plan.BT, NS=plan.NS,
+            CS_ROUND=_ROUND_MODE[cos.dtype], CS_DIRECT=plan.cs_direct, STAGES=ROWS_STAGES, **common), ROWS_NUM_WARPS)
+        written = ["dq_ptr"] + ["gw_ws_ptr"] * need_w
+        written += (["gc_ptr", "gs_ptr"] if plan.cs_direct else ["cs_ws_ptr"]) if need_cs else []
+        out = _run(call, tuple(written), in_graph)
+        if need_cs and plan.cs_direct:
+            grad_cos, grad_sin = out["gc_ptr"], out["gs_ptr"]
+        PA = PB = plan.programs
+        NHB = plan.NS
+    else:
+        plan = _elementwise_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
+                                 ELEMENTWISE_PROGRAMS_PER_SM * sm_count(q), num_programs,
+                                 ELEMENTWISE_TILE_ELEMENTS, ELEMENTWISE_MAX_TILES_PER_PROGRAM)
+        gw_ws = torch.empty((plan.PQ + plan.PK, D), device=dev, dtype=torch.float32) if need_w else unused
+        cs_ws = torch.empty((plan.nqb + plan.nkb, M, 2 * D), device=dev, dtype=torch.float32) if need_cs else unused
+        call = TritonCall(_qk_norm_rope_bwd_kernel, (plan.programs,), named_args(
+            _qk_norm_rope_bwd_kernel, *leading, gw_ws, cs_ws, M, S, plan.GQ, plan.GK, plan.GK, plan.ntt_q,
+            plan.ntt_k, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BHQ=plan.BHQ, BTQ=plan.BTQ,
+            BHK=plan.BHK, BTK=plan.BTK, BHV=plan.BHK, BTV=plan.BTK, **common), ELEMENTWISE_NUM_WARPS)
+        out = _run(call, ("dq_ptr",) + ("gw_ws_ptr",) * need_w + ("cs_ws_ptr",) * need_cs, in_graph)
+        PA, PB = plan.PQ, plan.PK
+        NHB = plan.nqb + plan.nkb
+    grad_proj = out["dq_ptr"]
+    gw_ws = out.get("gw_ws_ptr", gw_ws)
+    cs_ws = out.get("cs_ws_ptr", cs_ws)
+    gqw, gkw, grad_cos, grad_sin = _finish(plan, gw_ws, cs_ws, PA, PB, NHB, need_w, need_cs, q_weight, k_weight,
+                                           cos, sin, B, S, D, grad_cos, grad_sin, unused, in_graph)
+    return grad_proj, gqw, gkw, grad_cos, grad_sin
 
 
 def elementwise_tiling(M: int) -> str:
@@ -928,82 +1054,34 @@ def elementwise_tiling(M: int) -> str:
 
 
 def _finish(plan, gw_ws, cs_ws, PA, PB, NHB, need_w, need_cs, q_weight, k_weight, cos, sin, B, S, D,
-            grad_cos=None, grad_sin=None):
+            grad_cos, grad_sin, unused, in_graph):
     """Allocate the requested grads and run the finishing sums of ``plan`` (an _ElementwisePlan or
     _RowsPlan: one launch, none when nothing is left to sum). grad_cos / grad_sin passed in:
     already written by the elementwise kernel. Returns (grad_q_weight, grad_k_weight, grad_cos,
     grad_sin), None where not requested."""
     dev, Bc = cos.device, cos.shape[0]
-    grad_qw = grad_kw = gw_ws  # placeholders for unused pointers (constexpr branches)
+    grad_qw = grad_kw = unused
     if need_w:
         grad_qw = torch.empty((D,), device=dev, dtype=q_weight.dtype)
         grad_kw = torch.empty((D,), device=dev, dtype=k_weight.dtype)
-    gc = grad_cos if grad_cos is not None else cs_ws
-    gs = grad_sin if grad_sin is not None else cs_ws
-    if need_cs and grad_cos is None:
+    sums_cs = need_cs and plan.cs_programs > 0
+    gc = gs = unused
+    if sums_cs:
         gc = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
         gs = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
     if plan.cs_programs + plan.w_programs:
-        _FINISH_LAUNCHER.launch(
-            (plan.cs_programs + plan.w_programs,),
-            (gw_ws, grad_qw, grad_kw, cs_ws, gc, gs,
-             PA, PB, Bc * S, B * S, S, NHB, B if Bc == 1 else 1, plan.cs_programs),
-            dict(D=D, BLOCK_P=plan.BLOCK_P, BLOCK_L=plan.BLOCK_L, BLOCK_T=plan.BLOCK_T, BLOCK_2D=plan.BLOCK_2D,
-                 W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype],
-                 NEED_W=need_w, NEED_CS=need_cs and plan.cs_programs > 0),
-            _FINISH_OPTIONS,
-        )
+        call = TritonCall(_finish_partials_kernel, (plan.cs_programs + plan.w_programs,), named_args(
+            _finish_partials_kernel, gw_ws, grad_qw, grad_kw, cs_ws, gc, gs,
+            PA, PB, Bc * S, B * S, S, NHB, B if Bc == 1 else 1, plan.cs_programs,
+            D=D, BLOCK_P=plan.BLOCK_P, BLOCK_L=plan.BLOCK_L, BLOCK_T=plan.BLOCK_T, BLOCK_2D=plan.BLOCK_2D,
+            W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype], NEED_W=need_w, NEED_CS=sums_cs),
+            _FINISH_NUM_WARPS)
+        out = _run(call, ("gqw_ptr", "gkw_ptr") * need_w + ("gc_ptr", "gs_ptr") * sums_cs, in_graph)
+        grad_qw, grad_kw = out.get("gqw_ptr", grad_qw), out.get("gkw_ptr", grad_kw)
+        if sums_cs:
+            grad_cos, grad_sin = out["gc_ptr"], out["gs_ptr"]
     return (grad_qw if need_w else None, grad_kw if need_w else None,
-            gc if need_cs else None, gs if need_cs else None)
-
-
-def _launch_token_rows(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos, sin, need_w, need_cs,
-                       num_programs):
-    """v5: the token-rows kernel on ``tensor_args`` (see qk_norm_rope_backward_triton), then _finish."""
-    M, Bc, dev = B * S, cos.shape[0], q.device
-    plan = _rows_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
-                      max(1, round(ROWS_PROGRAMS_PER_SM * sm_count(q))) if num_programs is None else num_programs,
-                      ROWS_TOKENS)
-    gw_ws = torch.empty((2 * plan.programs, D) if need_w else (1,), device=dev, dtype=torch.float32)
-    cs_ws = torch.empty((plan.NS, M, 2 * D) if need_cs and not plan.cs_direct else (1,), device=dev,
-                        dtype=torch.float32)
-    grad_cos = grad_sin = None
-    if need_cs and plan.cs_direct:
-        grad_cos = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
-        grad_sin = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
-    _ROWS_LAUNCHER.launch(
-        (plan.programs,),
-        (*tensor_args, gw_ws, cs_ws,
-         gw_ws if grad_cos is None else grad_cos, gw_ws if grad_sin is None else grad_sin,
-         M, S, plan.programs),
-        dict(HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BT=plan.BT,
-             NS=plan.NS, ROUND=_ROUND_MODE[q.dtype], CS_ROUND=_ROUND_MODE[cos.dtype], INTERP=not q.is_cuda,
-             NEED_W=need_w, NEED_CS=need_cs, CS_DIRECT=plan.cs_direct, STAGES=ROWS_STAGES),
-        dict(num_warps=ROWS_NUM_WARPS, **COMPILE_OPTIONS),
-    )
-    return _finish(plan, gw_ws, cs_ws, plan.programs, plan.programs, plan.NS, need_w, need_cs, q_weight,
-                   k_weight, cos, sin, B, S, D, grad_cos, grad_sin)
-
-
-def _launch_head_tiles(tensor_args, B, S, HQ, HKV, D, q, q_weight, k_weight, cos, sin, need_w, need_cs,
-                       num_programs):
-    """v3: the head-tiles kernel on ``tensor_args`` (see qk_norm_rope_backward_triton), then _finish."""
-    M, Bc, dev = B * S, cos.shape[0], q.device
-    plan = _elementwise_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
-                             ELEMENTWISE_PROGRAMS_PER_SM * sm_count(q), num_programs,
-                             ELEMENTWISE_TILE_ELEMENTS, ELEMENTWISE_MAX_TILES_PER_PROGRAM)
-    gw_ws = torch.empty((plan.PQ + plan.PK, D) if need_w else (1,), device=dev, dtype=torch.float32)
-    cs_ws = torch.empty((plan.nqb + plan.nkb, M, 2 * D) if need_cs else (1,), device=dev, dtype=torch.float32)
-    _TILES_LAUNCHER.launch(
-        (plan.programs,),
-        (*tensor_args, gw_ws, cs_ws, M, S, plan.GQ, plan.GK, plan.GK, plan.ntt_q, plan.ntt_k),
-        dict(HQ=HQ, HKV=HKV, D=D, HALF=D // 2, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D,
-             BHQ=plan.BHQ, BTQ=plan.BTQ, BHK=plan.BHK, BTK=plan.BTK, BHV=plan.BHK, BTV=plan.BTK,
-             ROUND=_ROUND_MODE[q.dtype], INTERP=not q.is_cuda, NEED_W=need_w, NEED_CS=need_cs),
-        dict(num_warps=ELEMENTWISE_NUM_WARPS, **COMPILE_OPTIONS),
-    )
-    return _finish(plan, gw_ws, cs_ws, plan.PQ, plan.PK, plan.nqb + plan.nkb, need_w, need_cs, q_weight,
-                   k_weight, cos, sin, B, S, D)
+            grad_cos if need_cs else None, grad_sin if need_cs else None)
 
 
 def full_backward_triton(
@@ -1023,11 +1101,11 @@ def full_backward_triton(
     need_norm_weight_grad: bool = True,
     need_cos_sin_grad: bool = True,
     need_bias_grad: bool = False,
-    gemm_strategy: str = "auto",
 ) -> dict[str, torch.Tensor | None]:
     """The whole backward for a fused QKV weight: elementwise pass into one [M, qkv_size] buffer,
-    then the projection GEMMs. ``hidden`` is [M, K], ``weight`` [qkv_size, K]. Returns a dict with
-    grad_hidden, grad_weight, grad_bias, grad_q_weight, grad_k_weight, grad_cos, grad_sin."""
+    then the projection GEMMs (cuBLAS through torch). ``hidden`` is [M, K], ``weight``
+    [qkv_size, K]. Returns a dict with grad_hidden, grad_weight, grad_bias, grad_q_weight,
+    grad_k_weight, grad_cos, grad_sin, grad_qkv."""
     B, HQ, S, D = grad_q.shape
     HKV = grad_k.shape[1]
     nq, nk = HQ * D, HKV * D
@@ -1037,7 +1115,6 @@ def full_backward_triton(
         grad_qkv[:, :nq], grad_qkv[:, nq: nq + nk], grad_qkv[:, nq + nk:],
         need_weight_grad=need_norm_weight_grad, need_cos_sin_grad=need_cos_sin_grad,
     )
-    gh, gw, gb = qkv_projection_backward(grad_qkv, hidden, weight, need_bias_grad=need_bias_grad,
-                                         strategy=gemm_strategy)  # kernels/projection_backward.py
-    return dict(grad_hidden=gh, grad_weight=gw, grad_bias=gb, grad_q_weight=gqw, grad_k_weight=gkw,
-                grad_cos=gcos, grad_sin=gsin, grad_qkv=grad_qkv)
+    gh, gw, gb = projection_gemms([grad_qkv], hidden, [weight], True, True, need_bias_grad)
+    return dict(grad_hidden=gh, grad_weight=gw[0], grad_bias=gb[0] if need_bias_grad else None,
+                grad_q_weight=gqw, grad_k_weight=gkw, grad_cos=gcos, grad_sin=gsin, grad_qkv=grad_qkv)

@@ -35,13 +35,12 @@ inverse rotation, exact only when cos^2 + sin^2 == 1 (the published SOL-ExecBenc
 applies a second forward rotation there, so its grad_cos / grad_sin differ from autograd's), and
 would cost one more [B, S, H, D] tensor per q and k in memory.
 
-On CUDA (and on CPU under ``TRITON_INTERPRET=1``) the backward runs the Triton elementwise pass
-of ``qkv_rope_qk_norm_backward_triton`` and the GEMM routes of ``projection_backward`` (both
-imported with this module: a broken import fails loudly instead of silently sending CUDA
-training to the slow path); elsewhere the PyTorch reference (``qkv_rope_qk_norm_reference``),
-which has the same function signatures.
-The forward runs the PyTorch reference on every device (one GEMM, or three, plus eager
-elementwise ops; a fused Triton forward is future work). For a fused weight its v output is a
+The backward op runs the Triton elementwise pass of ``qkv_rope_qk_norm_backward_triton`` on CUDA (and
+on CPU under ``TRITON_INTERPRET=1``), else its PyTorch reference (``qkv_rope_qk_norm_reference``,
+same signatures), then the projection GEMMs in torch (``projection_backward``). In compiled CUDA
+training graphs the region's backward is not this op: ``QKVRopeQKNormFunction`` traces the same
+kernels into the graph as kernel nodes, and the GEMMs as ``aten.mm`` nodes (``_backward_in_graph``).
+The forward runs the PyTorch reference on every device. For a fused weight its v output is a
 copy of the v columns (outputs of a custom op may not alias each other or the saved output).
 """
 
@@ -53,15 +52,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .projection_backward import qkv_projection_backward, separate_projections_backward
-from .qkv_rope_qk_norm_backward_triton import qk_norm_rope_backward_triton
-from .triton_device import triton_applicable
-from .qkv_rope_qk_norm_reference import (
-    qk_norm_rope_backward_reference,
-    qkv_projection_backward_reference,
-    qkv_rope_qk_norm_forward_reference,
-    separate_projections_backward_reference,
-)
+from .projection_backward import projection_gemms
+from .qkv_rope_qk_norm_backward_triton import qk_norm_rope_backward_in_graph, qk_norm_rope_backward_triton
+from .triton_device import kernels_in_graph, triton_applicable
+from .qkv_rope_qk_norm_reference import qk_norm_rope_backward_reference, qkv_rope_qk_norm_forward_reference
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -315,17 +309,10 @@ def check_qkv_rope_qk_norm_backward_args(
             fail(name, "a contiguous last dim (stride(-1) == 1)", f"strides {tuple(t.stride())}")
 
 
-_REFERENCE = (qk_norm_rope_backward_reference, qkv_projection_backward_reference,
-              separate_projections_backward_reference)
-
-
-_TRITON = (qk_norm_rope_backward_triton, qkv_projection_backward, separate_projections_backward)
-
-
-def backward_implementation(t: Tensor) -> tuple[Callable, Callable, Callable]:
-    """(elementwise backward, fused-projection backward, separate-projections backward) for
-    tensors like ``t``: the Triton kernels, or the references (same signatures)."""
-    return _TRITON if triton_applicable(t) else _REFERENCE
+def elementwise_backward_implementation(t: Tensor) -> Callable:
+    """The elementwise backward for tensors like ``t``: the Triton pass where Triton runs (CUDA,
+    or the CPU interpreter), else its PyTorch reference (same signature)."""
+    return qk_norm_rope_backward_triton if triton_applicable(t) else qk_norm_rope_backward_reference
 
 
 # Defined with torch.library.Library rather than torch.library.custom_op (as the forward
@@ -389,32 +376,33 @@ def qkv_rope_qk_norm_backward(
     kv_heads = k.shape[2]
     q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
     tokens = batch * seq
-    elementwise_backward, projection_backward, separate_projections_backward = backward_implementation(q)
-
-    # Gradient of the projection output(s), written in place by the elementwise pass: one
-    # [M, qkv_size] buffer for a fused weight (the GEMMs read it as is), three otherwise.
-    if len(proj_weights) == 1:
-        grad_proj = [q.new_empty(tokens, q_size + 2 * kv_size)]
-        parts = grad_proj[0].split_with_sizes([q_size, kv_size, kv_size], 1)  # the C++ method: no Python wrapper
-    else:
-        grad_proj = parts = [q.new_empty(tokens, n) for n in (q_size, kv_size, kv_size)]
+    # Gradient of the projection output(s), written by the elementwise pass: one [M, qkv_size]
+    # buffer (the kernel writes its q, k and v column blocks), read by the GEMMs as is (fused
+    # weight) or as its three column blocks (separate weights).
+    grad_proj = q.new_empty(tokens, q_size + 2 * kv_size)
+    parts = grad_proj.split_with_sizes([q_size, kv_size, kv_size], 1)  # the C++ method: no Python wrapper
     gq_proj, gk_proj, gv_proj = (p.view(batch, seq, p.shape[1]) for p in parts)
-    grad_q_weight, grad_k_weight, grad_cos, grad_sin = elementwise_backward(
+    grad_q_weight, grad_k_weight, grad_cos, grad_sin = elementwise_backward_implementation(q)(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos.contiguous(), sin.contiguous(),
         q_norm_weight, k_norm_weight, gq_proj, gk_proj, gv_proj, need_norm_weight_grads, need_cos_sin_grads,
     )
+    return _with_projection_gemms(grad_proj, (q_size, kv_size), hidden, proj_weights, has_bias, need_hidden_grad,
+                                  need_proj_grads, (grad_q_weight, grad_k_weight, grad_cos, grad_sin),
+                                  need_norm_weight_grads, need_cos_sin_grads)
 
-    hidden2d = hidden.reshape(tokens, hidden.shape[2])
+
+def _with_projection_gemms(grad_proj, sizes, hidden, proj_weights, has_bias, need_hidden_grad, need_proj_grads,
+                           elementwise_grads, need_norm_weight_grads, need_cos_sin_grads):
+    """The backward's five result lists from the elementwise pass's results: ``grad_proj``
+    [B*S, q_size + 2 kv_size] (its column blocks for separate weights) through ``projection_gemms``,
+    and ``elementwise_grads`` = (grad_q_weight, grad_k_weight, grad_cos, grad_sin)."""
+    q_size, kv_size = sizes
+    grads = [grad_proj] if len(proj_weights) == 1 else list(grad_proj.split([q_size, kv_size, kv_size], 1))
     need_bias_grads = has_bias and need_proj_grads
-    if len(proj_weights) == 1:
-        grad_hidden, grad_weight, grad_bias = projection_backward(
-            grad_proj[0], hidden2d, proj_weights[0], need_hidden_grad, need_proj_grads, need_bias_grads
-        )
-        grad_weights, grad_biases = [grad_weight], [grad_bias]
-    else:
-        grad_hidden, grad_weights, grad_biases = separate_projections_backward(
-            grad_proj, hidden2d, list(proj_weights), need_hidden_grad, need_proj_grads, need_bias_grads
-        )
+    grad_hidden, grad_weights, grad_biases = projection_gemms(
+        grads, hidden.reshape(grad_proj.shape[0], hidden.shape[2]), list(proj_weights), need_hidden_grad,
+        need_proj_grads, need_bias_grads)
+    grad_q_weight, grad_k_weight, grad_cos, grad_sin = elementwise_grads
     return (
         [grad_hidden.view(hidden.shape)] if need_hidden_grad else [],
         list(grad_weights) if need_proj_grads else [],
@@ -467,9 +455,14 @@ def _dense_last_dim(grad: Tensor | None, like: Tensor, shape) -> Tensor:
 
 
 def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weights, need_biases,
-                     need_q_w: bool, need_k_w: bool, need_cos: bool, need_sin: bool):
-    """The backward op on what ``ctx`` saved; returns (grad_hidden, grad_weights, grad_biases,
-    grad_q_weight, grad_k_weight, grad_cos, grad_sin), None (or lists of None) where not needed."""
+                     need_q_w: bool, need_k_w: bool, need_cos: bool, need_sin: bool, in_graph: bool = False):
+    """The backward on what ``ctx`` saved; returns (grad_hidden, grad_weights, grad_biases,
+    grad_q_weight, grad_k_weight, grad_cos, grad_sin), None (or lists of None) where not needed.
+
+    ``in_graph`` (the training pattern's replacement, traced into the joint graph): on CUDA with
+    static sizes the elementwise pass becomes Triton kernel nodes and the GEMMs ``aten.mm`` nodes
+    (``_backward_in_graph``), which Inductor launches itself; otherwise, and for eager callers, one
+    call of the ``qkv_rope_qk_norm_backward`` op."""
     if torch.is_grad_enabled():
         # backward(create_graph=True): the op has no derivative of its own (custom_op raised
         # here too; a Library op would only warn and silently drop the second-order terms).
@@ -486,7 +479,10 @@ def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weight
     need_proj = any(need_weights) or any(need_biases)
     need_norm = need_q_w or need_k_w
     need_cos_sin = need_cos or need_sin
-    grad_hidden, grad_weights, grad_biases, grad_norm, grad_cos_sin = torch.ops.fusion_pass.qkv_rope_qk_norm_backward(
+    backward = torch.ops.fusion_pass.qkv_rope_qk_norm_backward
+    if in_graph and kernels_in_graph(q) and isinstance(batch, int) and isinstance(seq, int):
+        backward = _backward_in_graph
+    grad_hidden, grad_weights, grad_biases, grad_norm, grad_cos_sin = backward(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden,
         list(proj_weights), ctx.has_bias, need_hidden, need_proj, need_norm, need_cos_sin,
     )
@@ -499,6 +495,23 @@ def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weight
         grad_cos_sin[0] if need_cos else None,
         grad_cos_sin[1] if need_sin else None,
     )
+
+
+def _backward_in_graph(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden,
+                       proj_weights, has_bias, need_hidden_grad, need_proj_grads, need_norm_weight_grads,
+                       need_cos_sin_grads):
+    """``qkv_rope_qk_norm_backward`` (same arguments and results) as traced graph nodes: the
+    elementwise Triton pass as kernel nodes, then the GEMMs as torch ops. The training pattern
+    checked the arguments when it matched; nothing is checked per call."""
+    _, _, q_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    grad_proj, grad_q_weight, grad_k_weight, grad_cos, grad_sin = qk_norm_rope_backward_in_graph(
+        grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos.contiguous(), sin.contiguous(), q_norm_weight,
+        k_norm_weight, need_norm_weight_grads, need_cos_sin_grads)
+    return _with_projection_gemms(grad_proj, (q_size, kv_size), hidden, proj_weights, has_bias, need_hidden_grad,
+                                  need_proj_grads, (grad_q_weight, grad_k_weight, grad_cos, grad_sin),
+                                  need_norm_weight_grads, need_cos_sin_grads)
 
 
 def _backward(ctx, grad_q, grad_k, grad_v, _grad_q_rstd, _grad_k_rstd, _grad_saved):
@@ -554,7 +567,8 @@ class QKVRopeQKNormFunction(torch.autograd.Function):
         n = ctx.num_weights
         need_weights, need_biases = list(need[10:10 + n]), list(need[10 + n:])
         grad_hidden, grad_weights, grad_biases, grad_q_w, grad_k_w, grad_cos, grad_sin = _region_backward(
-            ctx, grad_q, grad_k, grad_v, need[0], need_weights, need_biases, need[1], need[2], need[3], need[4])
+            ctx, grad_q, grad_k, grad_v, need[0], need_weights, need_biases, need[1], need[2], need[3], need[4],
+            in_graph=True)
         return (grad_hidden, grad_q_w, grad_k_w, grad_cos, grad_sin, None, None, None, None, None,
                 *grad_weights, *grad_biases)
 

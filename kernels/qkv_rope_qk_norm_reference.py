@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .projection_backward import projection_gemms
 from .qk_norm_rope_cache_reference import rope_reference, rotate_half
 
 
@@ -199,54 +200,6 @@ def qk_norm_rope_backward_reference(
     return grad_q_weight, grad_k_weight, grad_cos, grad_sin
 
 
-def qkv_projection_backward_reference(
-    grad_qkv: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    need_hidden_grad: bool = True,
-    need_weight_grad: bool = True,
-    need_bias_grad: bool = False,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """A linear layer's backward (same signature as the Triton ``qkv_projection_backward``).
-
-    Args:
-        grad_qkv [M, N]: gradient of the projection output (any strides).
-        hidden [M, K]: the projection input.
-        weight [N, K]: the projection weight.
-
-    Returns:
-        (grad_hidden [M, K] = grad_qkv @ weight, grad_weight [N, K] = grad_qkv.T @ hidden,
-        grad_bias [N] = grad_qkv summed over M), each None when not asked for.
-    """
-    grad_hidden = grad_qkv @ weight if need_hidden_grad else None
-    grad_weight = grad_qkv.t() @ hidden if need_weight_grad else None
-    grad_bias = grad_qkv.sum(0) if need_bias_grad else None
-    return grad_hidden, grad_weight, grad_bias
-
-
-def separate_projections_backward_reference(
-    grads: list[torch.Tensor],
-    hidden: torch.Tensor,
-    weights: list[torch.Tensor],
-    need_hidden_grad: bool = True,
-    need_weight_grad: bool = True,
-    need_bias_grad: bool = False,
-) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """Separate q/k/v projections (same signature as the Triton ``separate_projections_backward``).
-
-    grad_hidden = sum_i grads[i] @ weights[i], accumulated in the model dtype in the order given
-    (as autograd accumulates); grad_weight_i = grads[i].T @ hidden; grad_bias_i = grads[i].sum(0).
-    """
-    grad_hidden = None
-    if need_hidden_grad:
-        grad_hidden = grads[0] @ weights[0]
-        for g, w in zip(grads[1:], weights[1:]):
-            grad_hidden.addmm_(g, w)
-    grad_weights = [g.t() @ hidden if need_weight_grad else None for g in grads]
-    grad_biases = [g.sum(0) if need_bias_grad else None for g in grads]
-    return grad_hidden, grad_weights, grad_biases
-
-
 def qkv_rope_qk_norm_backward_reference(
     grad_q: torch.Tensor,
     grad_k: torch.Tensor,
@@ -282,17 +235,10 @@ def qkv_rope_qk_norm_backward_reference(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight,
         gq_proj, gk_proj, gv_proj, need_norm_weight_grads, need_cos_sin_grads,
     )
-    hidden2d = hidden.reshape(tokens, hidden.shape[-1])
-    if len(proj_weights) == 1:
-        grad_hidden, grad_w, grad_b = qkv_projection_backward_reference(
-            grad_qkv, hidden2d, proj_weights[0], need_bias_grad=has_bias
-        )
-        grad_ws, grad_bs = [grad_w], [grad_b] if has_bias else []
-    else:
-        grad_hidden, grad_ws, grad_bs = separate_projections_backward_reference(
-            list(views), hidden2d, proj_weights, need_bias_grad=has_bias
-        )
-        grad_bs = grad_bs if has_bias else []
+    grads = [grad_qkv] if len(proj_weights) == 1 else list(views)
+    grad_hidden, grad_ws, grad_bs = projection_gemms(grads, hidden.reshape(tokens, hidden.shape[-1]), proj_weights,
+                                                     need_bias_grad=has_bias)
+    grad_bs = grad_bs if has_bias else []
     return {
         "grad_hidden": grad_hidden.view(hidden.shape),
         "grad_proj_weights": grad_ws,

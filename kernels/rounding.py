@@ -1,13 +1,15 @@
-"""Rounding an fp32 value to bf16/fp16 precision inside Triton kernels, as eager PyTorch does.
+"""Rounding inside Triton kernels exactly where eager PyTorch rounds.
 
-The fused kernels reproduce eager's intermediate roundings (each bf16 product rounded before
-the next operation). ``(a * b).to(tl.bfloat16).to(tl.float32)`` compiles to a native bf16
-multiply (correctly rounded: fine), but when that product feeds an add the compiler contracts
-the two into one bf16 FMA, which rounds once where eager rounds twice (measured on the H200,
-Triton 3.6: ~12 % of the forward kernel's outputs differed from eager). ``round_*_opaque``
-rounds through a ``cvt.rn`` in inline PTX, which the compiler cannot contract. It costs more
-instructions than the native path (measured: 67 -> 85 us when every rounding of the forward
-kernel used it), so kernels use it only for products that feed an add.
+The fused kernels reproduce eager's intermediate roundings: each bf16/fp16 product is rounded
+before the next operation, then the sum of two rounded products is rounded. ``round_to(x)``
+(``x.to(dtype).to(fp32)``) compiles to native half-precision arithmetic, correctly rounded. The
+one hazard is FMA contraction: a rounded product feeding an add is contracted into one FMA,
+which rounds once where eager rounds twice (measured on the H200, Triton 3.6: ~12 % of the
+forward kernel's outputs differed from eager). Launched by Inductor, a user-defined kernel is
+compiled with Triton's default options (``enable_fp_fusion=True``; Inductor passes no options
+for it), so contraction cannot be switched off per kernel: ``round_sum`` instead does the add in
+inline PTX with an explicit rounding modifier (``round_sum``), which neither LLVM nor ptxas
+fuse with the multiply before it.
 
 The Triton interpreter (CPU tests) has no inline PTX, and its fp32 -> bf16 cast truncates
 instead of rounding to nearest even; there bf16 rounding is done on the fp32 bits, and fp16
@@ -19,39 +21,20 @@ import triton.language as tl
 
 
 @triton.jit
-def round_to_bf16_opaque(x, INTERPRETED: tl.constexpr):
-    """fp32 ``x`` rounded to the nearest bf16 (ties to even), returned as fp32. NaN stays NaN."""
-    if INTERPRETED:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    else:
-        half = tl.inline_asm_elementwise(
-            "cvt.rn.bf16.f32 $0, $1;", "=h,f", [x], dtype=tl.uint16, is_pure=True, pack=1
-        )
-        return (half.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def round_to_fp16_opaque(x, INTERPRETED: tl.constexpr):
-    """fp32 ``x`` rounded to the nearest fp16 (ties to even), returned as fp32."""
-    if INTERPRETED:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        half = tl.inline_asm_elementwise(
-            "cvt.rn.f16.f32 $0, $1;", "=h,f", [x], dtype=tl.uint16, is_pure=True, pack=1
-        )
-        return half.to(tl.float16, bitcast=True).to(tl.float32)
+def _round_to_bf16_bits(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even) on its bits, returned as fp32; NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (bf16, fp16 or fp32), returned as fp32; the compiler may
-    turn the rounding into native half-precision arithmetic (exact unless contracted into an
-    FMA: use ``round_to_opaque`` for a product that feeds an add)."""
+    """fp32 ``x`` rounded to ``dtype`` (bf16, fp16 or fp32), returned as fp32. A rounded product
+    that feeds an add must reach it through ``round_sum`` (see the module docstring)."""
     if dtype == tl.bfloat16:
         if INTERPRETED:
-            return round_to_bf16_opaque(x, INTERPRETED)
+            return _round_to_bf16_bits(x)
         else:
             return x.to(tl.bfloat16).to(tl.float32)
     elif dtype == tl.float16:
@@ -61,11 +44,28 @@ def round_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def round_to_opaque(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``round_to`` that no compiler pass can fuse with the operation that consumes it."""
+def round_sum(a, b, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``round_to(a + b)`` of two fp32 values that hold ``dtype`` values (rounded products),
+    returned as fp32; the add is never contracted with the multiplies that produced a and b.
+
+    On the GPU the add is inline PTX on packed pairs, with an explicit rounding modifier, which
+    neither LLVM nor ptxas fuse: ``add.rn.f16x2`` for fp16, ``fma.rn.bf16x2(a, 1.0, b)`` for bf16
+    (sm_80+; ``add.rn.bf16x2`` needs sm_90). Both are correctly rounded sums, the same bits as
+    eager's fp32 add then round (an inexact fp32 sum of two such values is far from a tie).
+    """
     if dtype == tl.bfloat16:
-        return round_to_bf16_opaque(x, INTERPRETED)
+        if INTERPRETED:
+            return _round_to_bf16_bits(a + b)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 one; mov.b32 one, 0x3F803F80; fma.rn.bf16x2 $0, $1, one, $2; }", "=r,r,r",
+                [a.to(tl.bfloat16), b.to(tl.bfloat16)], dtype=tl.bfloat16, is_pure=True, pack=2).to(tl.float32)
     elif dtype == tl.float16:
-        return round_to_fp16_opaque(x, INTERPRETED)
+        if INTERPRETED:
+            return (a + b).to(tl.float16).to(tl.float32)
+        else:
+            return tl.inline_asm_elementwise(
+                "add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a.to(tl.float16), b.to(tl.float16)], dtype=tl.float16,
+                is_pure=True, pack=2).to(tl.float32)
     else:
-        return x
+        return a + b

@@ -34,3 +34,15 @@ def _sm_count(device_index: int | None) -> int:
 def sm_count(t: torch.Tensor) -> int:
     """SMs of ``t``'s CUDA device (``INTERPRETER_SMS`` on the CPU)."""
     return _sm_count(t.device.index if t.is_cuda else None)
+
+
+#: Device types whose compiled graphs get the Triton kernels as graph nodes (``TritonCall.in_graph``),
+#: launched by Inductor. CPU Inductor cannot launch Triton kernels: CPU graphs call the ops, which run
+#: the PyTorch references (or the kernels under the interpreter). Tests add "cpu" to trace the
+#: in-graph form on CPU tensors and run it eagerly under the interpreter.
+IN_GRAPH_DEVICE_TYPES = ("cuda",)
+
+
+def kernels_in_graph(t: torch.Tensor) -> bool:
+    """True when a graph on ``t``'s device takes the Triton kernels as nodes (see ``IN_GRAPH_DEVICE_TYPES``)."""
+    return t.device.type in IN_GRAPH_DEVICE_TYPES

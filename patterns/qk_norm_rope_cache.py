@@ -20,13 +20,22 @@ unfused (post-grad graph, per layer)::
     k [B,S,Hkv,D] -> (same) -> RoPE -> k_rot -> index_put(k_cache, [None, None, pos], k_rot)
     v [B,Hkv,S,D] -> index_put(v_cache, [None, None, pos], v)
 
-fused::
+fused (CUDA: the Triton kernel itself is the node, ``kernels/triton_call.py``)::
+
+    out = triton_kernel_wrapper_functional(_qk_norm_rope_cache_kernel, grid, kwargs={q, k, v, ...,
+                                           k_cache, v_cache, strides, sizes, constexprs},
+                                           tensors_to_clone=[q_out, k_out, k_cache, v_cache])
+
+fused (CPU graphs, and ``dynamic=True``'s tensor eps)::
 
     q_rot, k_rot, k_cache', v_cache' = auto_functionalized(fusion_pass.qk_norm_rope_cache, ...)
 
 The pattern ends at the functional cache writes and never spans the ``copy_`` write-back that
-functionalization appends for the mutated cache inputs; Inductor turns ``auto_functionalized``
-back into an in-place call on the cache buffers, so no cache-sized copy is made.
+functionalization appends for the mutated cache inputs; Inductor re-inplaces the kernel node (or
+``auto_functionalized``) on the cache buffers, so no cache-sized copy is made, and on CUDA its
+generated wrapper launches the kernel itself: no op, no Python check per call. Everything the
+launch needs (tile, grid, strides, constexprs) is derived from the matched values when the
+replacement is traced, once per compile, also for a symbolic sequence length.
 
 Variants (one registration each, generated from one definition, ``VARIANTS``):
 
@@ -216,8 +225,12 @@ from fusion_pass import match_report
 from fusion_pass.kernels.qk_norm_rope_cache_op import (
     check_qk_norm_rope_cache_args,
     check_qk_norm_rope_paged_cache_args,
+    paged_cache_rows,
     unsupported_reason,
 )
+from fusion_pass.kernels.qk_norm_rope_cache_triton import WRITTEN_ARGS as CACHE_KERNEL_WRITTEN_ARGS
+from fusion_pass.kernels.qk_norm_rope_cache_triton import cache_kernel_call
+from fusion_pass.kernels.triton_device import kernels_in_graph
 # The Hugging Face building blocks, op for op: traced, they are the model's graph.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (
     gemma_rms_norm_reference,
@@ -451,8 +464,57 @@ def cos_rows(cos, token_layout: bool):
 def _fused(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
     q, k, v = _op_layout(variant, q, k, v)
     token_layout = variant.layout == "tokens"
+    cos, sin = cos_rows(cos, token_layout), cos_rows(sin, token_layout)
     # torch.compile(dynamic=True) lifts the float eps into a 0-d tensor graph input.
     eps_tensor = isinstance(q_eps, torch.Tensor) or isinstance(k_eps, torch.Tensor)
+    kernel_args = {} if variant.norm_form.style == "weight" else dict(norm=variant.norm_form.style)
+    if variant.rope_first:
+        kernel_args["rope_first"] = True
+    if variant.partial_rope:
+        kernel_args["rotary_dim"] = cos.shape[-1]
+    if variant.interleaved:
+        kernel_args["interleaved"] = True
+    # The kernel's constexprs (head_dim, head counts, rotary_dim) must be ints; only B, S and the
+    # cache length may be symbolic. In models they are constants (projection widths), but a graph
+    # input's head dims are symbolic under dynamic=True: such a graph keeps the op.
+    static_geometry = all(isinstance(n, int) for n in (*q.shape[1:2], *k.shape[1:2], q.shape[-1], cos.shape[-1]))
+    if kernels_in_graph(q) and not eps_tensor and static_geometry:
+        q_rot, k_rot, k_cache, v_cache = _kernel_in_graph(variant, q, k, v, q_weight, k_weight, cos, sin, k_cache,
+                                                          v_cache, cache_position, q_eps, k_eps, kernel_args)
+    else:
+        q_rot, k_rot, k_cache, v_cache = _op_call(variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache,
+                                                  cache_position, q_eps, k_eps, kernel_args, eps_tensor)
+    if token_layout:
+        q_rot, k_rot = q_rot.transpose(1, 2).squeeze(0), k_rot.transpose(1, 2).squeeze(0)
+    return q_rot, k_rot, k_cache, v_cache
+
+
+def _kernel_in_graph(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position,
+                     q_eps, k_eps, kernel_args):
+    """CUDA: the Triton kernel itself as a node of the graph (``TritonCall.in_graph``), so that
+    Inductor's wrapper launches it and re-inplaces the caches; every launch parameter (tile,
+    grid, strides) is fixed here, at trace time, from the matched values."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if statically_known_true(q.numel() == 0) or statically_known_true(k.numel() == 0):
+        return q_out, k_out, k_cache, v_cache
+    storage = {}
+    k_rows, v_rows = k_cache, v_cache
+    if variant.paged:
+        # The kernel addresses the paged cache as [1, Hkv, slots, D] and writes the user's tensor.
+        kv_heads, head_dim = k.shape[1], k.shape[3]
+        k_rows = paged_cache_rows(k_cache, "key_cache", kv_heads, head_dim)
+        v_rows = paged_cache_rows(v_cache, "value_cache", kv_heads, head_dim)
+        storage = dict(k_cache_storage=k_cache, v_cache_storage=v_cache)
+    call = cache_kernel_call(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, cache_position, q_eps, k_eps,
+                             q_out, k_out, **kernel_args, **storage)
+    out = call.in_graph(CACHE_KERNEL_WRITTEN_ARGS)
+    return out["q_out_ptr"], out["k_out_ptr"], out["k_cache_ptr"], out["v_cache_ptr"]
+
+
+def _op_call(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps,
+             k_eps, kernel_args, eps_tensor: bool):
+    """CPU graphs (and eps lifted to a tensor): the in-place op, which runs the PyTorch
+    reference (or the Triton kernel under the interpreter)."""
     if eps_tensor:
         q_eps, k_eps = (e if isinstance(e, torch.Tensor) else torch.tensor(e, dtype=torch.float64)
                         for e in (q_eps, k_eps))
@@ -465,24 +527,10 @@ def _fused(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_c
     else:
         op = (torch.ops.fusion_pass.qk_norm_rope_cache_eps_tensor if eps_tensor
               else torch.ops.fusion_pass.qk_norm_rope_cache).default
-    # The Qwen3 form and order are the op's defaults: its graphs call the op exactly as before.
-    norm_args = {} if variant.norm_form.style == "weight" else dict(norm=variant.norm_form.style)
-    if variant.rope_first:
-        norm_args["rope_first"] = True
-    if variant.partial_rope:
-        norm_args["rotary_dim"] = cos.shape[-1]
-    if variant.interleaved:
-        norm_args["interleaved"] = True
-    out = auto_functionalized(
-        op, q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight,
-        cos=cos_rows(cos, token_layout), sin=cos_rows(sin, token_layout), **cache_args, q_eps=q_eps, k_eps=k_eps,
-        **norm_args,
-    )
+    out = auto_functionalized(op, q=q, k=k, v=v, q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin,
+                              **cache_args, q_eps=q_eps, k_eps=k_eps, **kernel_args)
     # auto_functionalized returns the op's outputs, then the mutated caches in schema order.
-    q_rot, k_rot = out[0], out[1]
-    if token_layout:
-        q_rot, k_rot = q_rot.transpose(1, 2).squeeze(0), k_rot.transpose(1, 2).squeeze(0)
-    return q_rot, k_rot, out[2], out[3]
+    return out[0], out[1], out[2], out[3]
 
 
 # --- checks ----------------------------------------------------------------------------

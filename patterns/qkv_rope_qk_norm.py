@@ -34,9 +34,10 @@ fused (``kernels/qkv_rope_qk_norm_op.py``, ``QKVRopeQKNormFunction``)::
         1 or 3, *weights, *biases)
     # forward: the same projection -> RoPE -> norm in plain torch ops, plus the fp32 rstd it
     #   saves; Inductor compiles it into its own fused kernels, as it does the model's code.
-    # backward: ONE torch.ops.fusion_pass.qkv_rope_qk_norm_backward, which writes grad_qkv in
-    #   [B*S, qkv_size] with one Triton pass and runs both GEMMs; every backward op of the region
-    #   is gone.
+    # backward (CUDA): the elementwise Triton pass as kernel nodes of the graph, writing grad_qkv
+    #   in [B*S, qkv_size], then the GEMMs as aten.mm nodes: Inductor launches all of it from its
+    #   generated code (cuBLAS or its own GEMM templates); every backward op of the region is gone.
+    #   CPU graphs (and symbolic B*S): one torch.ops.fusion_pass.qkv_rope_qk_norm_backward.
 
 The matched region ends v at the projection output (see _V_OUTSIDE) and starts at the
 unsqueezed cos/sin. Not matched (no fusion, no wrong result): the official HunyuanImage-3.0

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -25,9 +26,36 @@ from fusion_pass.kernels import qk_norm_rope_cache_triton as forward
 from fusion_pass.kernels import qkv_rope_qk_norm_backward_triton as backward
 
 TARGET = GPUTarget("cuda", 90, 32)
+
+
+@triton.jit
+def _rope_sum_without_round_sum(a_ptr, b_ptr, c_ptr, d_ptr, out_ptr, BLOCK: tl.constexpr):
+    """``round(round(a*b) + round(c*d))`` in bf16 with a plain add: contracted into an FMA."""
+    offs = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + offs).to(tl.float32)
+    b = tl.load(b_ptr + offs).to(tl.float32)
+    c = tl.load(c_ptr + offs).to(tl.float32)
+    d = tl.load(d_ptr + offs).to(tl.float32)
+    ab = (a * b).to(tl.bfloat16).to(tl.float32)
+    cd = (c * d).to(tl.bfloat16).to(tl.float32)
+    tl.store(out_ptr + offs, (ab + cd).to(tl.bfloat16))
 # Scalars that must not be assumed divisible by 16 (the launcher passes them unaligned too).
 UNALIGNED = {"q_eps", "k_eps", "attention_scaling", "seq_len", "GQ", "GK", "GV", "NTT_Q", "NTT_KV",
              "stride_cache_position", "stride_pos_s", "CS_PROGRAMS", "PA", "PB", "NHB", "NB", "P"}
+
+
+def _contracted_bf16_fmas(ptx: str) -> int:
+    """bf16 FMAs that fuse a product with a real addend: what contraction of a rounded product and
+    an add makes. Not counted: round_sum's own ``fma.rn.bf16x2(a, one, b)`` and the compiler's
+    products written as an FMA with a zero addend (a register set to +0 or -0 pairs)."""
+    zeros = set(re.findall(r"mov\.b(?:16|32)\s+(%r[s]?\d+),\s*(?:0|0x0000|-0|-2147450880|0x80008000|-32768|0x8000);", ptx))
+    count = 0
+    for dst_args in re.findall(r"\bfma\.rn\.bf16(?:x2)?\s+([^;]*);", ptx):
+        args = [a.strip() for a in dst_args.split(",")]
+        if "one" in args or args[-1] in zeros:
+            continue
+        count += 1
+    return count
 
 
 def compile_variant(fn, pointer_types: dict, constexprs: dict, float_args: set, options: dict) -> dict:
@@ -41,16 +69,14 @@ def compile_variant(fn, pointer_types: dict, constexprs: dict, float_args: set, 
         elif name.endswith("_ptr"):
             signature[name] = pointer_types.get(name, "*bf16")
         elif name in float_args:
-            signature[name] = "fp32"
+            signature[name] = float_args[name] if isinstance(float_args, dict) else "fp32"
         else:
             signature[name] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if signature[name] not in ("constexpr", "fp32") and name not in UNALIGNED}
+             if signature[name] not in ("constexpr", "fp32", "fp64") and name not in UNALIGNED}
     kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options)
     ptx = kernel.asm["ptx"]
     ptxas = [triton.knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", "-o", os.devnull]
-    if not options.get("enable_fp_fusion", True):
-        ptxas.append("--fmad=false")
     with open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sm90_{os.getpid()}.ptx"), "w") as f:
         f.write(ptx)
     info = subprocess.run(ptxas + [f.name], capture_output=True, text=True).stderr
@@ -59,11 +85,34 @@ def compile_variant(fn, pointer_types: dict, constexprs: dict, float_args: set, 
     spills = re.search(r"(\d+) bytes spill stores", info)
     return dict(
         ok=True,
-        fma_bf16=len(re.findall(r"\bfma\.rn\.bf16", ptx)),
+        fma_bf16=_contracted_bf16_fmas(ptx),
         registers=int(registers.group(1)) if registers else -1,
         spill_bytes=int(spills.group(1)) if spills else -1,
         barriers=len(re.findall(r"\bbar\.sync\b", ptx)),
     )
+
+
+def inductor_source(fn):
+    """``fn`` as Inductor emits a user-defined kernel into its generated module: the source of the
+    kernel and of every jit function it calls, rebuilt from
+    ``user_defined_triton_kernel_transitive_closure_source_code`` in a module of their own (its
+    imports as Inductor's wrapper has them). A helper imported under another name (``import f as
+    g``) is emitted by its own name, and then no longer found: this compile catches that on CPU."""
+    import importlib.util
+    import tempfile
+
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    source = ("import triton\nimport triton.language as tl\n"
+              "from torch._inductor.runtime.triton_helpers import libdevice, math as tl_math\n\n@triton.jit\n"
+              + user_defined_triton_kernel_transitive_closure_source_code(fn))
+    path = os.path.join(tempfile.mkdtemp(), f"inductor_{fn.__name__}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"inductor_{fn.__name__}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, fn.__name__)
 
 
 def variants() -> dict:
@@ -78,7 +127,7 @@ def variants() -> dict:
                           INTERLEAVED=False)
         out[f"forward_bf16_d128{'_from_positions' if rope_from_positions else ''}"] = (
             forward._qk_norm_rope_cache_kernel, fwd_pointers, constexprs, fwd_floats,
-            dict(num_warps=4, **forward.COMPILE_OPTIONS))
+            dict(num_warps=4))
     # The other RMSNorm forms (NORM_STYLE > 0: the Qwen3 form above is style 0) and RoPE before
     # the norm (HunYuan's order).
     others = {f"norm_{norm}": dict(NORM_STYLE=style) for style, norm in enumerate(forward.NORM_STYLES) if style}
@@ -90,21 +139,29 @@ def variants() -> dict:
     for suffix, change in others.items():
         out[f"forward_bf16_d128_{suffix}"] = (
             forward._qk_norm_rope_cache_kernel, fwd_pointers, dict(out["forward_bf16_d128"][2], **change), fwd_floats,
-            dict(num_warps=4, **forward.COMPILE_OPTIONS))
+            dict(num_warps=4))
     # nn.RMSNorm with its weight kept in fp32 in a bf16 model.
     out["forward_bf16_d128_norm_fp32_weight_f32_weights"] = (
         forward._qk_norm_rope_cache_kernel, dict(fwd_pointers, q_weight_ptr="*fp32", k_weight_ptr="*fp32"),
-        dict(out["forward_bf16_d128"][2], NORM_STYLE=1), fwd_floats, dict(num_warps=4, **forward.COMPILE_OPTIONS))
-    # Control: the same kernel with contraction on must show the bf16 FMAs the options prevent.
-    out["control_forward_bf16_d128_fp_fusion_on"] = (
-        forward._qk_norm_rope_cache_kernel, fwd_pointers, dict(out["forward_bf16_d128"][2]), fwd_floats,
-        dict(num_warps=4, enable_fp_fusion=True))
+        dict(out["forward_bf16_d128"][2], NORM_STYLE=1), fwd_floats, dict(num_warps=4))
+    # The kernels as Inductor's generated code defines them (compiled graphs launch these).
+    for name in ("forward_bf16_d128", "forward_bf16_d128_from_positions"):
+        fn, pointers, constexprs, floats, options = out[name]
+        # Inductor passes Python floats as fp64 scalars.
+        out[f"{name}_as_inductor_emits_it"] = (inductor_source(fn), pointers, constexprs,
+                                               {f: "fp64" for f in floats}, options)
+    # Inductor's mutation analysis traces user kernels with their float arguments as Python constants.
+    fn, pointers, constexprs, floats, options = out["forward_bf16_d128_as_inductor_emits_it"]
+    out["forward_bf16_d128_floats_as_constants"] = (
+        fn, pointers, dict(constexprs, q_eps=1e-6, k_eps=1e-6, attention_scaling=1.0), set(), options)
+    # Control: the RoPE sum written without rounding.round_sum must show the bf16 FMAs that round_sum prevents.
+    out["control_rope_sum_without_round_sum"] = (_rope_sum_without_round_sum, {}, dict(BLOCK=128), set(), dict(num_warps=4))
     for need in (False, True):
         constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BHQ=32, BTQ=1, BHK=8,
                           BTK=4, BHV=8, BTV=4, ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need)
         out[f"backward_elementwise_bf16_d128{'_with_grads' if need else ''}"] = (
             backward._qk_norm_rope_bwd_kernel, bwd_pointers, constexprs, set(),
-            dict(num_warps=backward.ELEMENTWISE_NUM_WARPS, **backward.COMPILE_OPTIONS))
+            dict(num_warps=backward.ELEMENTWISE_NUM_WARPS))
     # v5 token rows: with both optional grads and cos/sin written directly (suite B at large M),
     # through the workspace (head slices: small M), and with neither.
     rows_pointers = dict(bwd_pointers, gc_ptr="*bf16", gs_ptr="*bf16")
@@ -115,13 +172,18 @@ def variants() -> dict:
                           STAGES=backward.ROWS_STAGES)
         out[f"backward_rows_bf16_d128{suffix}"] = (
             backward._qk_norm_rope_bwd_rows_kernel, rows_pointers, constexprs, set(),
-            dict(num_warps=backward.ROWS_NUM_WARPS, **backward.COMPILE_OPTIONS))
+            dict(num_warps=backward.ROWS_NUM_WARPS))
+    for name in ("backward_elementwise_bf16_d128_with_grads", "backward_rows_bf16_d128_with_grads"):
+        fn, pointers, constexprs, floats, options = out[name]
+        out[f"{name}_as_inductor_emits_it"] = (inductor_source(fn), pointers, constexprs, floats, options)
     for need_w, need_cs in ((True, True), (True, False), (False, True)):
         constexprs = dict(D=128, BLOCK_P=256, BLOCK_L=32, BLOCK_T=16, BLOCK_2D=256, W_ROUND=1, CS_ROUND=1,
                           NEED_W=need_w, NEED_CS=need_cs)
         out[f"backward_finish_w{int(need_w)}_cs{int(need_cs)}"] = (
             backward._finish_partials_kernel, {"gw_ws_ptr": "*fp32", "cs_ws_ptr": "*fp32"}, constexprs,
             set(), dict(num_warps=4))
+    out["backward_finish_w1_cs1_as_inductor_emits_it"] = (inductor_source(backward._finish_partials_kernel),
+                                                         *out["backward_finish_w1_cs1"][1:])
     return out
 
 

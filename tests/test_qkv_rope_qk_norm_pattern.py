@@ -69,8 +69,10 @@ def test_every_training_variant_matches_exactly_once(dtype):
     tables requiring grad are [1, S, D] in fp32 and [B, S, D] in bf16."""
     model = VariantStack(TRAINING_VARIANTS).to(dtype)
     reference = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()
     inputs = _inputs(dtype, batch_cos_g=1 if dtype == torch.float32 else 2)
     ref_inputs = _clone_inputs(inputs)
+    exact_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in inputs]
     capture = CapturingPass(None)
     out = _compile(model, capture=capture)(*inputs)
     out.float().pow(2).mean().backward()
@@ -99,7 +101,20 @@ def test_every_training_variant_matches_exactly_once(dtype):
     extra = [(n, a, b) for n, a, b in zip(names, inputs, ref_inputs) if b.requires_grad]
     errors = compare_grads(model, reference, extra)
     assert len(errors) == sum(1 for p in reference.parameters() if p.requires_grad) + 3
-    assert max(errors.values()) < GRAD_TOLERANCE[dtype], sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    if dtype == torch.float32:
+        assert max(errors.values()) < GRAD_TOLERANCE[dtype], sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    else:
+        # bf16 against bf16 eager is a difference of two roundings of the same gradient, which
+        # depends on the machine's bf16 matmul (oneDNN on AVX512-BF16 vs AVX2 CPUs): measured
+        # 9.9e-3 on one CI machine where another gave < 8e-3 for the same seed. Against float64
+        # the fused gradients must be as accurate as eager bf16 autograd's (within 2x, or 2 ulps).
+        exact(*exact_inputs).pow(2).mean().backward()
+        exact_extra = [(n, a, b) for n, a, b in zip(names, inputs, exact_inputs) if b.requires_grad]
+        eager_extra = [(n, a, b) for n, a, b in zip(names, ref_inputs, exact_inputs) if b.requires_grad]
+        ours = compare_grads(model, exact, exact_extra)
+        eager = compare_grads(reference, exact, eager_extra)
+        worse = {n: (e, eager[n]) for n, e in ours.items() if e > max(2 * eager[n], 2 * 2.0 ** -8)}
+        assert not worse, sorted(worse.items(), key=lambda kv: -kv[1][0])[:3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

@@ -1,0 +1,349 @@
+"""The fused kernels as nodes of the graph (``kernels/triton_call.py``), so Inductor launches them.
+
+On CUDA both families' replacements put the Triton kernels into the graph as the functional
+Triton HOP. The first tests trace those replacements and run the traced graphs eagerly: on CUDA,
+or in CI on CPU tensors under the Triton interpreter (``IN_GRAPH_DEVICE_TYPES`` extended to
+"cpu": CPU Inductor itself cannot launch Triton kernels). They check one HOP node per kernel, no
+``fusion_pass`` op, launch parameters fixed at trace time (also for a symbolic sequence length),
+and results bit-equal to the ops' (which the kernel tests compare with the PyTorch references).
+The GPU tests check what Inductor generates: our kernels launched inline, no ``fusion_pass`` op
+called, no cache-sized buffer.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+from torch._inductor.pattern_matcher import joint_fwd_bwd
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fusion_pass
+from fusion_pass.kernels import qkv_rope_qk_norm_op as training_op
+from fusion_pass.kernels import triton_device
+from fusion_pass.patterns import qk_norm_rope_cache as forward_pattern
+
+BF16 = torch.bfloat16
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def kernels_in_cpu_graphs(monkeypatch):
+    monkeypatch.setattr(triton_device, "IN_GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
+
+
+def _without_kernels_in_graph():
+    """Context: no device takes kernel nodes (the replacement calls the op, as CPU graphs do)."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(triton_device, "IN_GRAPH_DEVICE_TYPES", ())
+    return patch
+
+
+def _hop_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
+
+
+def _op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Calls of a fusion_pass op, directly or through auto_functionalized."""
+    return [n for n in gm.graph.nodes if "fusion_pass" in str(n.target) or "fusion_pass" in str(n.args[:1])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward: the cache kernel
+# ----------------------------------------------------------------------------------------------
+
+def _forward_args(variant, batch=2, seq=5, q_heads=8, kv_heads=2, head_dim=32, cache_len=16, seed=0):
+    """Inputs of the pattern's replacement for ``variant`` (a ``forward_pattern.Variant``)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g).to(BF16).to(DEV)
+
+    if variant.paged:
+        batch = 1
+    if variant.layout == "tokens":
+        q, k, v = t(seq, q_heads, head_dim), t(seq, kv_heads, head_dim), t(seq, kv_heads, head_dim)
+        cos, sin = t(seq, 1, head_dim), t(seq, 1, head_dim)
+    else:
+        if variant.layout == "bshd":
+            q, k = t(batch, seq, q_heads, head_dim), t(batch, seq, kv_heads, head_dim)
+        else:
+            q, k = t(batch, q_heads, seq, head_dim), t(batch, kv_heads, seq, head_dim)
+        v = t(batch, kv_heads, seq, head_dim)
+        rotary = head_dim // 2 if variant.partial_rope else head_dim
+        cos, sin = t(batch, 1, seq, rotary), t(batch, 1, seq, rotary)
+    if variant.cache == "dense":
+        caches = [t(batch, kv_heads, cache_len, head_dim) for _ in range(2)]
+        positions = torch.arange(3, 3 + seq, device=DEV)
+    else:
+        shape = (4, cache_len // 4, kv_heads, head_dim) if variant.cache == "paged" else (cache_len, kv_heads, head_dim)
+        caches = [t(*shape) for _ in range(2)]
+        positions = torch.randperm(cache_len, generator=g)[:seq].to(DEV)
+    weights = [t(head_dim) + 1, t(head_dim) + 1] if variant.norm_form.weighted else [None, None]
+    return [q, k, v, *weights, cos, sin, *caches, positions]
+
+
+def _fused(variant, *args):
+    q, k, v, qw, kw, cos, sin, kc, vc, pos = args
+    return forward_pattern._fused(variant, q, k, v, qw, kw, cos, sin, kc, vc, pos, 1e-6, 2e-6)
+
+
+FORWARD_VARIANTS = {
+    "qwen3_bshd_dense": forward_pattern.Variant("bshd", "dense"),
+    "qwen3_bhsd_dense": forward_pattern.Variant("bhsd", "dense"),
+    "qwen3_bshd_paged": forward_pattern.Variant("bshd", "paged"),
+    "tokens_flat": forward_pattern.Variant("tokens", "flat"),
+    "gemma3_tokens_paged": forward_pattern.Variant("tokens", "paged", "gemma3"),
+    "no_weight_bhsd": forward_pattern.Variant("bhsd", "dense", "pow_no_weight"),
+    "rope_first_bhsd": forward_pattern.Variant("bhsd", "dense", rope_first=True),
+    "partial_rotary": forward_pattern.Variant("bshd", "dense", partial_rope=True),
+    "interleaved": forward_pattern.Variant("bshd", "dense", interleaved=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FORWARD_VARIANTS))
+def test_forward_replacement_is_one_kernel_node_equal_to_the_op(name, kernels_in_cpu_graphs):
+    """The CUDA replacement of every variant, traced: one kernel node writing q_rot, k_rot and both
+    caches, no op; run, it equals the op path (the CPU replacement) bit for bit, caches included."""
+    variant = FORWARD_VARIANTS[name]
+    args = _forward_args(variant)
+    graph = make_fx(lambda *a: _fused(variant, *a), tracing_mode="fake")(*args)
+    hops = _hop_nodes(graph)
+    assert len(hops) == 1 and not _op_nodes(graph), graph.graph
+    assert sorted(hops[0].kwargs["tensors_to_clone"]) == ["k_cache_ptr", "k_out_ptr", "q_out_ptr", "v_cache_ptr"]
+    # Inductor requires exactly these strides of the kernel's inputs (lowering reads the node's
+    # eager_input_vals): the strides baked into the launch must be the ones it gets.
+    assert "eager_input_vals" in hops[0].meta
+    in_graph = graph(*[a.clone() if a is not None else None for a in args])
+    patch = _without_kernels_in_graph()
+    try:
+        by_op = _fused(variant, *[a.clone() if a is not None else None for a in args])
+    finally:
+        patch.undo()
+    for got, want in zip(in_graph, by_op):
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got, want)
+
+
+def test_forward_symbolic_length_launch_has_no_guard_on_it():
+    """With a symbolic S (``mark_dynamic`` / ``dynamic=True``) the launch is built without
+    specializing S: the length argument and the grid are expressions of S, the tile is the one of
+    long sequences, and nothing guards on S (so a new length never recompiles)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel
+
+    variant = FORWARD_VARIANTS["qwen3_bhsd_dense"]
+    q, k, v, qw, kw, cos, sin, kc, vc, pos = _forward_args(variant, seq=6)
+    cos, sin = cos.squeeze(1), sin.squeeze(1)
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env) as mode:
+        def fake(t, seq_dim):
+            sizes = [DimDynamic.DYNAMIC if i == seq_dim else DimDynamic.STATIC for i in range(t.dim())]
+            return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+        fq, fk, fv = fake(q, 2), fake(k, 2), fake(v, 2)
+        fcos, fsin = fake(cos, 1), fake(sin, 1)
+        fpos = fake(pos, 0)
+        call = kernel.cache_kernel_call(fq, fk, fv, mode.from_tensor(qw), mode.from_tensor(kw), fcos, fsin,
+                                        mode.from_tensor(kc), mode.from_tensor(vc), fpos, 1e-6, 1e-6,
+                                        torch.empty_like(fq), torch.empty_like(fk))
+    assert isinstance(call.kwargs["seq_len"], torch.SymInt) and isinstance(call.grid[0], torch.SymInt)
+    assert call.kwargs["TOKENS_PER_PROGRAM"] == kernel.launch_config(2, 8, 2, 4096, 32).tokens_per_program
+    assert all(isinstance(call.kwargs[n], int) for n in ("HEAD_DIM", "HEADS_PER_PROGRAM", "q_heads", "kv_heads"))
+    assert not shape_env.guards, shape_env.guards
+
+
+def test_cpu_graphs_keep_the_op():
+    """Without the in-graph device (CPU Inductor cannot launch Triton), the replacement calls the op."""
+    variant = FORWARD_VARIANTS["qwen3_bshd_dense"]
+    patch = _without_kernels_in_graph()
+    try:
+        graph = make_fx(lambda *a: _fused(variant, *a), tracing_mode="fake")(*_forward_args(variant))
+    finally:
+        patch.undo()
+    assert not _hop_nodes(graph) and _op_nodes(graph)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: the elementwise backward pass, then the GEMMs
+# ----------------------------------------------------------------------------------------------
+
+def _backward_args(weights: int, bias: bool, batch=2, seq=5, hidden=16, head_dim=16, q_heads=4, kv_heads=2):
+    g = torch.Generator().manual_seed(1)
+
+    def t(*shape):
+        return (torch.randn(*shape, generator=g) * 0.5).to(BF16).to(DEV)
+
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    qkv = t(batch, seq, q_size + 2 * kv_size)
+    q = qkv[..., :q_size].view(batch, seq, q_heads, head_dim)
+    k = qkv[..., q_size:q_size + kv_size].view(batch, seq, kv_heads, head_dim)
+    rows = [q_size + 2 * kv_size] if weights == 1 else [q_size, kv_size, kv_size]
+    return (t(batch, q_heads, seq, head_dim), t(batch, kv_heads, seq, head_dim), t(batch, kv_heads, seq, head_dim),
+            q, k, (torch.rand(batch, q_heads, seq, generator=g) + 0.5).to(DEV),
+            (torch.rand(batch, kv_heads, seq, generator=g) + 0.5).to(DEV),
+            t(1, seq, head_dim), t(1, seq, head_dim), t(head_dim) + 1, t(head_dim) + 1, t(batch, seq, hidden),
+            [t(n, hidden) for n in rows], bias, True, True, True, True)
+
+
+@pytest.mark.parametrize("weights,bias", [(1, False), (3, True)], ids=["fused_qkv", "separate_qkv_bias"])
+def test_backward_in_graph_equals_the_op(weights, bias):
+    """The in-graph backward (kernel nodes, then torch GEMMs), run eagerly, equals the backward op."""
+    args = _backward_args(weights, bias)
+    got = training_op._backward_in_graph(*args)
+    want = torch.ops.fusion_pass.qkv_rope_qk_norm_backward(*args)
+    for got_list, want_list in zip(got, want):
+        assert len(got_list) == len(want_list)
+        for a, b in zip(got_list, want_list):
+            assert torch.equal(a, b)
+
+
+def test_training_replacement_traces_kernel_nodes_and_mm_nodes(kernels_in_cpu_graphs):
+    """The training replacement (``QKVRopeQKNormFunction``) traced into a joint graph, as the pass
+    traces it: its backward is the elementwise kernel and the finishing kernel as graph nodes plus
+    ``aten.mm`` nodes, and no ``fusion_pass`` op."""
+    B, S, K, D, HQ, HKV = 2, 5, 16, 16, 4, 2
+
+    def t(*shape, grad=True):
+        return (torch.randn(*shape) * 0.5).to(BF16).requires_grad_(grad)
+
+    inputs = [t(B, S, K), t((HQ + 2 * HKV) * D, K), t(D), t(D), t(1, S, D, grad=False), t(1, S, D, grad=False)]
+
+    def region(x, w, qw, kw, cos, sin):
+        return training_op.QKVRopeQKNormFunction.apply(x, qw, kw, cos, sin, HQ, HKV, 1e-6, 1e-6, 1, w)
+
+    joint = joint_fwd_bwd(region, inputs)
+    assert len(_hop_nodes(joint)) == 2 and not _op_nodes(joint), joint.graph
+    assert len([n for n in joint.graph.nodes if n.target is torch.ops.aten.mm.default]) >= 3  # fwd + 2 bwd
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: what Inductor generates
+# ----------------------------------------------------------------------------------------------
+
+def _assert_inline_launch(code: str, kernel: str) -> None:
+    assert f"{kernel}" in code and ".run(" in code, "our kernel is not launched by the generated wrapper"
+    assert "torch.ops.fusion_pass" not in code, "a fusion_pass op is still called per step"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "cudagraphs"])
+def test_gpu_forward_kernel_launched_by_inductor_in_place(mode):
+    """Qwen3-style prologue compiled with the pass (default mode and CUDA graphs): the generated
+    wrapper launches our kernel itself, no op, no cache-sized buffer, results as eager's."""
+    from qwen3_style import Qwen3StylePrologue, make_inputs
+
+    cache_len = 37
+    model = Qwen3StylePrologue(hidden=256, q_heads=8, kv_heads=2, head_dim=128).to("cuda", BF16)
+    inputs = [x.cuda() if isinstance(x, torch.Tensor) else x
+              for x in make_inputs(hidden=256, kv_heads=2, head_dim=128, cache_len=cache_len)]
+    ref_inputs = [x.clone() for x in inputs]
+    with torch.no_grad():
+        ref = model(*ref_inputs)
+    options = dict(fusion_pass.options())
+    if mode:
+        options.update(torch._inductor.list_mode_options(mode))
+    compiled = torch.compile(model, options=options)
+    with torch.no_grad():
+        out, codes = run_and_get_code(compiled, *inputs)
+        if mode:
+            for _ in range(2):
+                torch.compiler.cudagraph_mark_step_begin()
+                out = compiled(*[x.clone() for x in ref_inputs[:3]], inputs[3], inputs[4], inputs[5])
+    code = "\n".join(codes)
+    assert fusion_pass.match_counts().get("qk_norm_rope_cache") == 1
+    _assert_inline_launch(code, "_qk_norm_rope_cache_kernel")
+    cache_shape = str(tuple(inputs[3].shape))
+    assert not [line for line in code.splitlines() if ("empty_strided" in line or "clone" in line)
+                and cache_shape in line], "a cache-sized buffer was allocated"
+    torch.testing.assert_close(out[0].float(), ref[0].float(), rtol=0, atol=2 ** -6 * ref[0].abs().max().item())
+    for cache, ref_cache in ((inputs[3], ref_inputs[3]), (inputs[4], ref_inputs[4])):
+        torch.testing.assert_close(cache.float(), ref_cache.float(), rtol=0, atol=2 ** -6 * 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_forward_mark_dynamic_length_needs_no_recompile():
+    from qwen3_style import Qwen3StylePrologue, make_inputs
+
+    model = Qwen3StylePrologue(hidden=256, q_heads=8, kv_heads=2, head_dim=128).to("cuda", BF16)
+    compiled = torch.compile(model, options=fusion_pass.options())
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seq in (17, 40, 9):
+        inputs = [x.cuda() for x in make_inputs(seq=seq, hidden=256, kv_heads=2, head_dim=128, cache_len=64)]
+        torch._dynamo.mark_dynamic(inputs[0], 1)
+        for i in (1, 2):
+            torch._dynamo.mark_dynamic(inputs[i], 1)
+        torch._dynamo.mark_dynamic(inputs[5], 0)
+        ref_inputs = [x.clone() for x in inputs]
+        with torch.no_grad():
+            out = compiled(*inputs)
+            ref = model(*ref_inputs)
+        torch.testing.assert_close(out[0].float(), ref[0].float(), rtol=0, atol=2 ** -6 * ref[0].abs().max().item())
+        torch.testing.assert_close(inputs[3].float(), ref_inputs[3].float(), rtol=0, atol=2 ** -6 * 8)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+    assert fusion_pass.match_counts().get("qk_norm_rope_cache") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_training_backward_is_kernels_and_mm_launched_by_inductor():
+    """A HunyuanImage-3-style block trained with the pass: the backward's generated code launches
+    our elementwise kernel and calls the GEMMs, no fusion_pass op; gradients close to eager's."""
+    from qkv_rope_qk_norm_models import FusedQKVAttention, compare_grads, rope_tables
+
+    torch.manual_seed(0)
+    model = FusedQKVAttention(hidden=256, heads=8, kv_heads=2, head_dim=128).to("cuda", BF16)
+    with torch.no_grad():
+        for norm in (model.query_layernorm, model.key_layernorm):
+            norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 64, 256, device="cuda", dtype=BF16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    cos, sin = (t.cuda() for t in rope_tables(64, head_dim=128, dtype=BF16))
+    compiled = torch.compile(model, options=fusion_pass.options())
+
+    def step():
+        compiled(x, cos, sin).float().pow(2).mean().backward()
+
+    _, codes = run_and_get_code(step)
+    reference(x_ref, cos, sin).float().pow(2).mean().backward()
+    assert fusion_pass.match_counts() == {"qkv_rope_qk_norm": 1}
+    backward_code = "\n".join(c for c in codes if "_qk_norm_rope_bwd" in c)
+    assert backward_code, "no generated code launches the backward kernels"
+    _assert_inline_launch(backward_code, "_qk_norm_rope_bwd")
+    assert "extern_kernels.mm" in backward_code or "extern_kernels.addmm" in backward_code
+    errors = compare_grads(model, reference, [("x", x, x_ref)])
+    assert max(errors.values()) < 8e-3, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_warm_cache_in_a_fresh_process_serves_the_fused_graph(tmp_path):
+    """The kernel side table is per process: a graph compiled with our kernel nodes, served from
+    Inductor's caches to a fresh process (the pass does not run there), must still launch our
+    kernel and give the same results."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, os.path.join(here, "warm_cache_check.py"), str(tmp_path)],
+                              capture_output=True, text=True, timeout=240, cwd=here)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    assert cold["matches"] == 1 and cold["kernel_in_code"] and not cold["op_in_code"], cold
+    assert warm["fx_hits"] + warm["aot_hits"] >= 1 and warm["matches"] == 0, warm  # served, the pass did not run
+    assert (warm["q_sum"], warm["k_cache_sum"]) == (cold["q_sum"], cold["k_cache_sum"]), (cold, warm)
+    assert cold["q_err"] < 2 ** -6 and cold["k_cache_err"] < 2 ** -6 * 16, cold
