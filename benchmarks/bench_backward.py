@@ -11,15 +11,13 @@ rate (8192^3), then per case (S, B):
                     query_pre_norm with the inverse rotation), elementwise math in fp32, grad_qkv cast
                     to bf16, bf16 GEMMs (what autograd of a bf16 model runs)
   stock_compile_us  torch.compile of that eager function (static shapes, one compile per case)
-  fusion_pass_us    ours: torch.ops.fusion_pass.qkv_rope_qk_norm_backward, the op the training pass puts
-                    into the backward graph (argument checks, the elementwise Triton pass, the GEMM route
-                    qkv_projection_backward picks)
+  fusion_pass_us    ours: torch.ops.fusion_pass.qkv_rope_qk_norm_backward, the eager op (argument checks,
+                    the elementwise Triton pass, the torch GEMMs); compiled training graphs launch the same
+                    kernels from Inductor's wrapper instead (benchmarks/bench_compiled.py times that)
   kernels_us        the same kernels through full_backward_triton (no op dispatch, fewer checks)
   host_us           host time per op call (200 calls without synchronizing): above the device time,
                     do_bench measures the host
-  elementwise_us    the elementwise pass alone;  gemm_us: our GEMM route alone
-  gemm_variants_us  for M <= 586: the GEMM routes of kernels/projection_backward.py (torch / streams /
-                    triton), graph replay
+  elementwise_us    the elementwise pass alone;  gemm_us: projection_gemms alone
   rel_err           max over outputs of max|ours - ref| / max|ref|, ref = float64 autograd
 
 Timing: ``triton.testing.do_bench(fn, return_mode="median")`` (L2 flushed between runs); for ours,
@@ -174,12 +172,11 @@ def ours(t):
     return gh[0], gcs[0], gcs[1], gw[0], gnorm[0], gnorm[1]
 
 
-def ours_kernels(t, gemm_strategy="auto"):
+def ours_kernels(t):
     """The same kernels through the Python entry point, without the op's dispatch and checks."""
     B, S = t["hidden"].shape[:2]
     out = kb.full_backward_triton(t["gq"], t["gk"], t["gv"], t["q"], t["k"], t["rq"], t["rk"], t["cos"],
-                                  t["sin"], t["wq"], t["wk"], t["hidden"].view(B * S, -1), t["W"],
-                                  gemm_strategy=gemm_strategy)
+                                  t["sin"], t["wq"], t["wk"], t["hidden"].view(B * S, -1), t["W"])
     return (out["grad_hidden"].view(B, S, -1), out["grad_cos"], out["grad_sin"], out["grad_weight"],
             out["grad_q_weight"], out["grad_k_weight"])
 
@@ -222,13 +219,12 @@ def cpu_check() -> int:
     if err > 3e-2:
         log("  FAILED")
         return 1
-    for strategy in ("triton", "torch"):
-        err, errs = rel_err(ours_kernels(t, strategy), reference64(t))
-        log(f"  S={S} B={B} Hq={HQ} Hkv={HKV} D={D} hidden={hidden_size} bf16, GEMMs '{strategy}': max rel err "
-            f"vs float64 {err:.2e} ({', '.join(f'{e:.1e}' for e in errs)})")
-        if err > 3e-2:
-            log("  FAILED")
-            return 1
+    err, errs = rel_err(ours_kernels(t), reference64(t))
+    log(f"  S={S} B={B} Hq={HQ} Hkv={HKV} D={D} hidden={hidden_size} bf16, kernels + torch GEMMs: max rel err "
+        f"vs float64 {err:.2e} ({', '.join(f'{e:.1e}' for e in errs)})")
+    if err > 3e-2:
+        log("  FAILED")
+        return 1
     e_err, _ = rel_err(eager_backward(*workload_args(t)), reference64(t))
     log(f"  eager reference implementation: max rel err {e_err:.2e}")
     log("ok")
@@ -335,10 +331,7 @@ def run_gpu(args) -> int:
         g_rand = torch.randn(M, QKV, device=DEVICE, dtype=torch.bfloat16)
         h2 = t["hidden"].view(M, -1)
         variants = {}
-        if M <= 586:
-            for strat in ("torch", "streams", "triton"):
-                variants[strat] = bench_graph(lambda s=strat: pb.qkv_projection_backward(g_rand, h2, t["W"], strategy=s))
-        gemm_us = bench(lambda: pb.qkv_projection_backward(g_rand, h2, t["W"]))
+        gemm_us = bench(lambda: pb.projection_gemms([g_rand], h2, [t["W"]]))
         grad_qkv = torch.empty(M, QKV, device=DEVICE, dtype=torch.bfloat16)
         nq, nk = HQ * D, HKV * D
 
@@ -373,7 +366,6 @@ def run_gpu(args) -> int:
                    kernels_us=kernels_us, host_us=op_host_us, repeats_us=repeats,
                    fusion_pass_graph_us=fusion_graph_us, elementwise_graph_us=elementwise_graph_us,
                    gemms_graph_us=gemms_graph_us,
-                   gemm_route=pb.AUTO_STRATEGY,  # what strategy "auto" runs
                    rel_err=err, rel_err_per_output=dict(zip(
                        ("grad_hidden", "grad_cos", "grad_sin", "grad_W", "grad_q_norm_w", "grad_k_norm_w"), errs)),
                    eager_rel_err=eager_err, stock_compile_rel_err=stock_err,
@@ -413,8 +405,7 @@ def run_gpu(args) -> int:
                    fusion_pass_over_floor=(means["fusion_pass_us"] / means["floor_us"]),
                    small_m_faster_than_gemms={f"{r['S']}x{r['B']}": r["fusion_pass_us"] < r["gemms_us"]
                                               for r in rows if r["M"] <= 586},
-                   config=dict(ELEMENTWISE_PROGRAMS_PER_SM=kb.ELEMENTWISE_PROGRAMS_PER_SM,
-                               gemm_auto_strategy=pb.AUTO_STRATEGY),
+                   config=dict(ELEMENTWISE_PROGRAMS_PER_SM=kb.ELEMENTWISE_PROGRAMS_PER_SM),
                    cases=rows)
     stem = out_dir / f"{date}-h200-backward"
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))

@@ -15,12 +15,14 @@ Cases (on CUDA), each as eager / stock ``torch.compile`` / ``torch.compile`` wit
 * ``qwen3_prefill_B1_S2048``, ``qwen3_prefill_B8_S256``: one forward over the prompt into a
   ``StaticCache(config=..., max_cache_len=S + 256)`` (``use_cache=True``, explicit ``cache_position``
   and ``position_ids``), all logits. Family ``qk_norm_rope_cache``.
+* ``qwen3_decode_B1_ctx2048_default``, ``qwen3_decode_B8_ctx256_default``: the decode step below in
+  default mode (no CUDA graphs), as most servers run it and as every first step runs.
 * ``qwen3_decode_B1_ctx2048``, ``qwen3_decode_B8_ctx256``: one decode step (S = 1) at position S of a
   cache holding the eager prefill, compiled with ``mode="reduce-overhead"`` (the pass variant: the same
   Inductor options, ``torch._inductor.list_mode_options("reduce-overhead")``, merged into the pass's
   options, because torch.compile takes ``mode`` or ``options``, not both), i.e. replayed as CUDA graphs;
   ``torch.compiler.cudagraph_mark_step_begin()`` before every call, cudagraph skips recorded.
-* ``hunyuan_train_B2_S2048``: one training step of ``HunYuanDenseV1ForCausalLM`` (forward with
+* ``hunyuan_train_B2_S2048``, ``hunyuan_train_B16_S256``: one training step of ``HunYuanDenseV1ForCausalLM`` (forward with
   ``labels``, ``loss.backward()``, ``torch.optim.AdamW.step()``, ``zero_grad``); the model is compiled,
   the optimizer runs eager in every variant. Family ``qkv_rope_qk_norm``.
 
@@ -112,13 +114,18 @@ CACHE_HEADROOM = 256  # max_cache_len = prefill length + this
 TRAIN_LR = 1e-4
 BWD_OP = "fusion_pass.qkv_rope_qk_norm_backward.default"
 
-# name -> (kind, batch, seq); decode cases decode one token after a prefill of `seq` tokens.
+# name -> (kind, batch, seq); decode cases decode one token after a prefill of `seq` tokens, replayed
+# as CUDA graphs ("decode") or in default mode ("decode_default": how most servers without graph
+# capture, and every first step, run).
 CASES = {
     "qwen3_prefill_B1_S2048": ("prefill", 1, 2048),
     "qwen3_prefill_B8_S256": ("prefill", 8, 256),
     "qwen3_decode_B1_ctx2048": ("decode", 1, 2048),
     "qwen3_decode_B8_ctx256": ("decode", 8, 256),
+    "qwen3_decode_B1_ctx2048_default": ("decode_default", 1, 2048),
+    "qwen3_decode_B8_ctx256_default": ("decode_default", 8, 256),
     "hunyuan_train_B2_S2048": ("train", 2, 2048),
+    "hunyuan_train_B16_S256": ("train", 16, 256),
 }
 
 SHARE_METHOD = (
@@ -351,10 +358,11 @@ def numerics_verdict(err: float, stock_err: float | None, floor: float) -> tuple
 
 def run_inference_case(name: str, kind: str, batch: int, seq: int, model, config, g: Geometry, rep_ms: int) -> dict:
     device = DEVICE
-    decode = kind == "decode"
+    decode = kind in ("decode", "decode_default")
+    cudagraphs = kind == "decode"
     cache_len = seq + CACHE_HEADROOM
     r: dict = dict(case=name, model="Qwen3ForCausalLM", kind=kind, B=batch, S=1 if decode else seq,
-                   context=seq if decode else 0, cache_len=cache_len, cudagraphs=decode,
+                   context=seq if decode else 0, cache_len=cache_len, cudagraphs=cudagraphs,
                    expected_family=FWD_FAMILY, expected_matches=g.layers, variants={})
     gen = torch.Generator(device=device).manual_seed(batch * 10_000 + seq)
     prompt = torch.randint(0, g.vocab, (batch, seq), device=device, generator=gen)
@@ -381,7 +389,7 @@ def run_inference_case(name: str, kind: str, batch: int, seq: int, model, config
         with recorded(v, "variant"):
             skips0 = cudagraph_skips()
             torch.cuda.reset_peak_memory_stats()
-            graphs = decode and variant != "eager"
+            graphs = cudagraphs and variant != "eager"
             fn = compile_variant(model, variant, device, graphs)
             step = make_lm_step(fn, cache, kwargs, start, graphs)
             with torch.no_grad():
@@ -727,8 +735,9 @@ def markdown(result: dict) -> str:
         f"torch {result['torch']}, triton {result['triton']}, transformers {result['transformers']}. "
         f"{g['layers']} layers, hidden {g['hidden']}, {g['q_heads']} q / {g['kv_heads']} kv heads, head_dim "
         f"{g['head_dim']}, intermediate {g['intermediate']}, vocab {g['vocab']}, bf16, random weights. "
-        "Times in ms: inference `do_bench` median (L2 flushed; decode replayed as CUDA graphs for both compiled "
-        "variants, eager without), training median of timed steps (forward + backward + AdamW).", "",
+        "Times in ms: inference `do_bench` median (L2 flushed; the `qwen3_decode_*` cases replayed as CUDA graphs "
+        "for both compiled variants, eager without; the `*_default` ones and prefill in default mode), training "
+        "median of timed steps (forward + backward + AdamW).", "",
         "| case | eager | stock compile | + fusion_pass | speed-up vs stock | vs eager | first compile s (stock / pass) "
         "| matches | fused | numerics | fused regions, share of step |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

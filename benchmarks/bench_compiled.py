@@ -1,0 +1,381 @@
+"""Suites F and B as a user's compiled code runs them: stock torch.compile vs torch.compile + fusion_pass,
+in default mode and replayed as CUDA graphs, in one process.
+
+    python benchmarks/bench_compiled.py --out DIR [--suites F,B] [--cases all|quick]
+
+F: a Hugging Face Qwen3-style prologue module (``Qwen3RotaryEmbedding``'s matmul form from
+``inv_freq`` and ``position_ids``, ``q_norm``/``k_norm`` per head on [B, S, H, D], transpose,
+``apply_rotary_pos_emb``, ``StaticCache``-style ``index_copy_`` into [B, 8, 262144, 128] caches), the 13
+cases of WORKLOADS.md F. B: a HunyuanImage-3-style block (fused QKV ``nn.Linear``, split, RoPE, per-head
+RMSNorm) forward + backward as a training step runs it (``torch.autograd.grad`` of q, k, v with given
+gradients, w.r.t. hidden and every parameter), the 16 cases of WORKLOADS.md B.
+
+Per case and variant (eager, stock, fusion_pass):
+  *_us        ``triton.testing.do_bench`` median (L2 flushed): default mode, the host's cost included
+              whenever the host is slower than the device
+  *_graph_us  ``do_bench_cudagraph`` median: the same calls replayed as a CUDA graph (device time)
+  *_host_us   host time per call: 30 calls issued back to back, host clock, no synchronization inside;
+              the least of 5 such samples
+Every compiled variant's error against eager is recorded before it is timed (F: max |q, k - eager| and
+max |written cache rows - eager's|, relative to max |q|; B: max relative error over every gradient), and
+whether the pass variant fused (``fusion_pass.match_counts()``). Floors: F bytes that must move over the copy
+bandwidth measured in this run; B the three projection GEMMs (forward and two backward) alone, cuBLAS,
+timed in this run.
+
+Writes DIR/<date>-h200-compiled.{json,md}. Without CUDA: says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+import triton
+import triton.testing
+from torch import nn
+
+import fusion_pass
+
+F_CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
+           (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
+F_QUICK = [(1, 2048, 4), (128, 0, 8), (293, 131, 1), (4096, 2048, 1)]
+B_CASES = [(128, 1), (128, 4), (128, 16), (128, 32), (128, 64), (131, 1), (256, 1), (256, 8), (256, 16),
+           (256, 32), (293, 2), (512, 1), (541, 4), (1024, 2), (1571, 1), (2048, 2)]
+B_QUICK = [(128, 1), (256, 8), (541, 4), (2048, 2)]
+DTYPE = torch.bfloat16
+F_HQ, F_HKV, F_D, F_L, F_THETA, EPS = 96, 8, 128, 262144, 10_000_000.0, 1e-6
+B_HQ, B_HKV, B_D, B_HIDDEN = 32, 8, 128, 4096
+HOST_CALLS = 30
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+class RMSNorm(nn.Module):
+    """``Qwen3RMSNorm`` / ``HunYuanDenseV1RMSNorm``."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """``Qwen3RotaryEmbedding`` (default rope type), its forward as transformers writes it."""
+
+    def __init__(self, head_dim, theta):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = 1.0
+
+    def forward(self, x, position_ids):
+        inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
+        position_ids_expanded = position_ids[:, None, :].float()
+        freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+class Qwen3Prologue(nn.Module):
+    """Qwen3Attention up to the cache write; q/k/v arrive as projection outputs [B, S, H * D]."""
+
+    def __init__(self):
+        super().__init__()
+        self.rotary_emb = RotaryEmbedding(F_D, F_THETA)
+        self.q_norm, self.k_norm = RMSNorm(F_D, EPS), RMSNorm(F_D, EPS)
+
+    def forward(self, q_proj, k_proj, v_proj, position_ids, key_cache, value_cache, cache_position):
+        hidden_shape = (*q_proj.shape[:-1], -1, F_D)
+        cos, sin = self.rotary_emb(q_proj, position_ids)
+        query_states = self.q_norm(q_proj.view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(k_proj.view(hidden_shape)).transpose(1, 2)
+        value_states = v_proj.view(hidden_shape).transpose(1, 2)
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        key_cache.index_copy_(2, cache_position, key_states)  # StaticLayer.update
+        value_cache.index_copy_(2, cache_position, value_states)
+        return query_states, key_states
+
+
+class FusedQKVBlock(nn.Module):
+    """HunyuanImage-3-style attention prologue: fused QKV projection -> RoPE -> per-head RMSNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_size, self.kv_size = B_HQ * B_D, B_HKV * B_D
+        self.qkv_proj = nn.Linear(B_HIDDEN, self.q_size + 2 * self.kv_size, bias=False)
+        self.query_layernorm, self.key_layernorm = RMSNorm(B_D, EPS), RMSNorm(B_D, EPS)
+
+    def forward(self, hidden_states, cos, sin):
+        bsz, q_len, _ = hidden_states.shape
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = q.view(bsz, q_len, -1, B_D).transpose(1, 2)
+        key = k.view(bsz, q_len, -1, B_D).transpose(1, 2)
+        value = v.view(bsz, q_len, -1, B_D).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        return self.query_layernorm(query), self.key_layernorm(key), value
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=60, return_mode="median")) * 1e3
+
+
+def bench_graph(fn) -> float:
+    return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")) * 1e3
+
+
+def host_us(fn) -> float:
+    """Least of 5 samples of the host time per call (the lent host has slow spells)."""
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        samples.append((time.perf_counter() - t0) / HOST_CALLS * 1e6)
+        torch.cuda.synchronize()
+    return min(samples)
+
+
+def attempt(r: dict, key: str, fn) -> None:
+    try:
+        r[key] = fn()
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        r[key] = None
+        r.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[:400]
+        log(f"    {key}: FAILED {type(e).__name__}: {str(e)[:300]}")
+
+
+def compile_variant(module, variant):
+    torch._dynamo.reset()
+    fusion_pass.reset_report()
+    if variant == "eager":
+        return module
+    options = fusion_pass.options() if variant == "fusion_pass" else None
+    return torch.compile(module, dynamic=False, options=options)
+
+
+def copy_bandwidth_tbps() -> float:
+    n = 1 << 29
+    src = torch.empty(n, dtype=DTYPE, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / (us * 1e-6) / 1e12
+
+
+def time_variant(r: dict, name: str, fn) -> None:
+    attempt(r, f"{name}_us", lambda: bench(fn))
+    attempt(r, f"{name}_graph_us", lambda: bench_graph(fn))
+    attempt(r, f"{name}_host_us", lambda: host_us(fn))
+
+
+def f_case(seq: int, cached: int, batch: int, copy_tbps: float, code_dir: str | None = None) -> dict:
+    per_token = 2 * F_HQ * F_D * 2 + 5 * F_HKV * F_D * 2 + 16
+    r = dict(S=seq, C=cached, B=batch, bytes=batch * seq * per_token)
+    r["floor_us"] = r["bytes"] / (copy_tbps * 1e12) * 1e6
+    g = torch.Generator(device="cuda").manual_seed(seq * 1000 + batch)
+    module = Qwen3Prologue().to("cuda", DTYPE)
+    module.rotary_emb.inv_freq = RotaryEmbedding(F_D, F_THETA).inv_freq.cuda()  # fp32, as HF keeps it
+    pos = torch.arange(cached, cached + seq, device="cuda")
+    x = [torch.randn(batch, seq, h * F_D, device="cuda", generator=g).to(DTYPE) for h in (F_HQ, F_HKV, F_HKV)]
+    caches = [torch.randn(batch, F_HKV, F_L, F_D, device="cuda", generator=g).to(DTYPE) for _ in range(2)]
+    args = (*x, pos[None].expand(batch, -1).contiguous(), *caches, pos)
+    with torch.no_grad():
+        q_ref, k_ref = module(*args)
+        rows_ref = [c[:, :, cached:cached + seq].clone() for c in caches]
+        for variant in ("eager", "stock", "fusion_pass"):
+            fn_c = compile_variant(module, variant)
+            if variant == "fusion_pass" and code_dir:
+                from torch._inductor.utils import run_and_get_code
+
+                out, codes = run_and_get_code(fn_c, *args)
+                with open(os.path.join(code_dir, f"F-S{seq}-B{batch}-pass-wrapper.py"), "w") as f:
+                    f.write("\n\n".join(codes))
+            else:
+                out = fn_c(*args)
+            torch.cuda.synchronize()
+            if variant == "fusion_pass":
+                r["fused"] = fusion_pass.match_counts().get("qk_norm_rope_cache", 0) == 1
+            scale = max(q_ref.abs().max().item(), 1e-30)
+            r[f"{variant}_max_err"] = max((out[0].float() - q_ref.float()).abs().max().item(),
+                                          (out[1].float() - k_ref.float()).abs().max().item()) / scale
+            r[f"{variant}_cache_rows_err"] = max(
+                (c[:, :, cached:cached + seq].float() - want.float()).abs().max().item() for c, want in
+                zip(caches, rows_ref)) / max(rows_ref[0].abs().max().item(), 1e-30)
+            time_variant(r, variant, lambda: fn_c(*args))
+            del out
+    torch._dynamo.reset()
+    del x, caches, args, module
+    torch.cuda.empty_cache()
+    return r
+
+
+def b_case(seq: int, batch: int, mm_probe: bool = True) -> dict:
+    r = dict(S=seq, B=batch, M=batch * seq)
+    torch.manual_seed(seq * 100 + batch)
+    module = FusedQKVBlock().to("cuda", DTYPE)
+    hidden = torch.randn(batch, seq, B_HIDDEN, device="cuda", dtype=DTYPE, requires_grad=True)
+    angles = torch.rand(1, seq, B_D // 2, device="cuda") * 6.28
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(DTYPE), emb.sin().to(DTYPE)
+    grads = [torch.randn(batch, h, seq, B_D, device="cuda", dtype=DTYPE) for h in (B_HQ, B_HKV, B_HKV)]
+    leaves = [hidden, *module.parameters()]
+    W = module.qkv_proj.weight.detach()
+    grad_qkv = torch.randn(batch * seq, W.shape[0], device="cuda", dtype=DTYPE)
+    h2 = hidden.detach().view(batch * seq, -1)
+    attempt(r, "gemms_us", lambda: bench(lambda: (h2 @ W.t(), grad_qkv @ W, grad_qkv.t() @ h2)))
+    attempt(r, "gemms_graph_us", lambda: bench_graph(lambda: (h2 @ W.t(), grad_qkv @ W, grad_qkv.t() @ h2)))
+    ref = None
+    for variant in ("eager", "stock", "fusion_pass"):
+        fn_c = compile_variant(module, variant)
+
+        def step():
+            return torch.autograd.grad(fn_c(hidden, cos, sin), leaves, grads)
+
+        got = step()
+        torch.cuda.synchronize()
+        if variant == "fusion_pass":
+            r["fused"] = fusion_pass.match_counts().get("qkv_rope_qk_norm", 0) == 1
+        if ref is None:
+            ref = got
+        else:
+            r[f"{variant}_max_rel_err"] = max(
+                ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                for a, b in zip(got, ref))
+        del got
+        time_variant(r, variant, step)
+    torch._dynamo.reset()
+    del module, hidden, grads, ref, grad_qkv
+    torch.cuda.empty_cache()
+    return r
+
+
+def means(rows: list[dict], keys) -> dict:
+    out = {}
+    for k in keys:
+        vals = [row.get(k) for row in rows]
+        out[k] = sum(vals) / len(vals) if vals and all(v is not None for v in vals) else None
+    return out
+
+
+def fmt(v, spec=".1f"):
+    return "—" if v is None else format(v, spec)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Compiled suites, {result['gpu']}, torch {result['torch']}, triton {result['triton']}, "
+             f"{result['date']}", ""]
+    for suite, key in (("F", "F"), ("B", "B")):
+        rows = result.get(key)
+        if not rows:
+            continue
+        floor = "floor_us" if suite == "F" else "gemms_us"
+        lines += [f"## Suite {suite} ({len(rows)} cases; us; floor: "
+                  f"{'bytes / copy bandwidth' if suite == 'F' else 'the three projection GEMMs alone'})", "",
+                  "| case | floor | eager | stock | pass | pass / stock | stock graph | pass graph | pass graph / "
+                  "stock graph | pass graph / floor | host stock | host pass | fused |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows + [dict(result[f"{suite}_means"], case="mean")]:
+            name = r.get("case") or (f"S{r['S']} C{r['C']} B{r['B']}" if suite == "F" else f"S{r['S']} B{r['B']}")
+            ratio = (r["fusion_pass_us"] / r["stock_us"]) if r.get("fusion_pass_us") and r.get("stock_us") else None
+            gratio = (r["fusion_pass_graph_us"] / r["stock_graph_us"]
+                      if r.get("fusion_pass_graph_us") and r.get("stock_graph_us") else None)
+            gfloor = (r["fusion_pass_graph_us"] / r[floor] if r.get("fusion_pass_graph_us") and r.get(floor) else None)
+            lines.append(f"| {name} | {fmt(r.get(floor))} | {fmt(r.get('eager_us'))} | {fmt(r.get('stock_us'))} | "
+                         f"{fmt(r.get('fusion_pass_us'))} | {fmt(ratio, '.3f')} | {fmt(r.get('stock_graph_us'))} | "
+                         f"{fmt(r.get('fusion_pass_graph_us'))} | {fmt(gratio, '.3f')} | {fmt(gfloor, '.2f')} | "
+                         f"{fmt(r.get('stock_host_us'))} | {fmt(r.get('fusion_pass_host_us'))} | "
+                         f"{r.get('fused', '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--suites", default="F,B")
+    p.add_argument("--cases", choices=["all", "quick"], default="all")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        log("bench_compiled.py measures on a CUDA GPU; none here, nothing to do.")
+        return 0
+    torch._inductor.config.force_disable_caches = True
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    os.makedirs(args.out, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, date=date)
+    path = os.path.join(args.out, f"{date}-h200-compiled")
+    suites = {s.strip() for s in args.suites.split(",")}
+    keys = [f"{v}{s}" for v in ("eager", "stock", "fusion_pass") for s in ("_us", "_graph_us", "_host_us")]
+
+    def save():
+        with open(path + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        with open(path + ".md", "w") as f:
+            f.write(markdown(result))
+
+    if "F" in suites:
+        copy_tbps = copy_bandwidth_tbps()
+        result["copy_TBps"] = copy_tbps
+        result["F"] = []
+        for case in (F_QUICK if args.cases == "quick" else F_CASES):
+            t0 = time.perf_counter()
+            r = f_case(*case, copy_tbps, args.out if case == (128, 0, 1) else None)
+            result["F"].append(r)
+            result["F_means"] = means(result["F"], ["floor_us", *keys])
+            save()
+            log(f"F {case}: floor {r['floor_us']:.1f} stock {fmt(r.get('stock_us'))} pass {fmt(r.get('fusion_pass_us'))}"
+                f" | graph stock {fmt(r.get('stock_graph_us'))} pass {fmt(r.get('fusion_pass_graph_us'))} | host "
+                f"stock {fmt(r.get('stock_host_us'))} pass {fmt(r.get('fusion_pass_host_us'))} | fused {r.get('fused')}"
+                f" err {r.get('fusion_pass_max_err', 0):.1e} rows {r.get('fusion_pass_cache_rows_err', 0):.1e} "
+                f"({time.perf_counter() - t0:.0f} s)")
+    if "B" in suites:
+        result["B"] = []
+        for case in (B_QUICK if args.cases == "quick" else B_CASES):
+            t0 = time.perf_counter()
+            r = b_case(*case)
+            result["B"].append(r)
+            result["B_means"] = means(result["B"], ["gemms_us", "gemms_graph_us", *keys])
+            save()
+            log(f"B {case}: gemms {fmt(r.get('gemms_us'))} stock {fmt(r.get('stock_us'))} pass "
+                f"{fmt(r.get('fusion_pass_us'))} | graph stock {fmt(r.get('stock_graph_us'))} pass "
+                f"{fmt(r.get('fusion_pass_graph_us'))} | host stock {fmt(r.get('stock_host_us'))} pass "
+                f"{fmt(r.get('fusion_pass_host_us'))} | fused {r.get('fused')} err {r.get('fusion_pass_max_rel_err')}"
+                f" stock err {r.get('stock_max_rel_err')} ({time.perf_counter() - t0:.0f} s)")
+    save()
+    log(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
