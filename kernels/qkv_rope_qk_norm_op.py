@@ -460,7 +460,7 @@ def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weight
     grad_q_weight, grad_k_weight, grad_cos, grad_sin), None (or lists of None) where not needed.
 
     ``in_graph`` (the training pattern's replacement, traced into the joint graph): on CUDA with
-    static sizes the elementwise pass becomes Triton kernel nodes and the GEMMs ``aten.mm`` nodes
+    static, non-zero B*S the elementwise pass becomes Triton kernel nodes and the GEMMs ``aten.mm`` nodes
     (``_backward_in_graph``), which Inductor launches itself; otherwise, and for eager callers, one
     call of the ``qkv_rope_qk_norm_backward`` op."""
     if torch.is_grad_enabled():
@@ -480,7 +480,7 @@ def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weight
     need_norm = need_q_w or need_k_w
     need_cos_sin = need_cos or need_sin
     backward = torch.ops.fusion_pass.qkv_rope_qk_norm_backward
-    if in_graph and kernels_in_graph(q) and isinstance(batch, int) and isinstance(seq, int):
+    if in_graph and kernels_in_graph(q) and isinstance(batch, int) and isinstance(seq, int) and batch * seq:
         backward = _backward_in_graph
     grad_hidden, grad_weights, grad_biases, grad_norm, grad_cos_sin = backward(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden,
