@@ -41,11 +41,13 @@ class FusionConfig:
                 raise ValueError(f"families: unknown fusion family {family!r}; known: {ALL_FAMILIES}")
 
     @classmethod
-    def make(cls, devices: Iterable[str] = ("cuda",), families: Iterable[str] | None = None) -> "FusionConfig":
-        return cls(
-            devices=tuple(devices),
-            families=ALL_FAMILIES if families is None else tuple(families),
-        )
+    def make(cls, devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None
+             ) -> "FusionConfig":
+        """``devices`` and ``families`` as names or iterables of names (``"cpu"`` is ``("cpu",)``)."""
+        def names(value):
+            return (value,) if isinstance(value, str) else tuple(value)
+
+        return cls(devices=names(devices), families=ALL_FAMILIES if families is None else names(families))
 
 
 _active = FusionConfig()

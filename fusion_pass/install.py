@@ -32,7 +32,7 @@ def _compose(hook: str, current: Any, config: fusion_config.FusionConfig) -> Fus
     return FusionGraphPass(stage, families, config, previous=current)
 
 
-def install(devices: Iterable[str] = ("cuda",), families: Iterable[str] | None = None) -> None:
+def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None) -> None:
     """Install the fusion passes into Inductor's global hooks.
 
     Every later ``torch.compile`` (Inductor backend) rewrites matching subgraphs. A custom pass
@@ -42,7 +42,8 @@ def install(devices: Iterable[str] = ("cuda",), families: Iterable[str] | None =
     Args:
         devices: device types whose graphs are rewritten. By default only ``("cuda",)``,
             where the Triton kernels run; ``("cuda", "cpu")`` also rewrites CPU graphs, whose
-            fused ops run their PyTorch references (or Triton under ``TRITON_INTERPRET=1``).
+            fused ops run their PyTorch references (or Triton under ``TRITON_INTERPRET=1``); a single
+            name (``"cpu"``) is one device type.
         families: fusion families to apply (default: all, see ``fusion_pass.FAMILIES``).
 
     Raises:
@@ -79,7 +80,8 @@ def installed() -> bool:
     return _saved is not None
 
 
-def options(devices: Iterable[str] = ("cuda",), families: Iterable[str] | None = None) -> dict[str, Any]:
+def options(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None
+            ) -> dict[str, Any]:
     """Inductor options for scoped use: ``torch.compile(model, options=fusion_pass.options())``.
 
     The global hooks are left untouched; passes already installed there keep running after

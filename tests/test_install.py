@@ -90,6 +90,13 @@ def test_bad_configuration_names_the_argument():
     assert not fusion_pass.installed()
 
 
+def test_a_single_device_or_family_name_is_accepted():
+    """``install(devices="cpu")`` means ``("cpu",)``, not the letters of "cpu"."""
+    options = fusion_pass.options(devices="cpu", families="qk_norm_rope_cache")
+    forward = options["post_grad_custom_pre_pass"]
+    assert forward.config.devices == ("cpu",) and forward.config.families == ("qk_norm_rope_cache",)
+
+
 def test_report_when_nothing_matched():
     text = fusion_pass.report()
     assert text.startswith("fusion_pass: 0 fusions applied")
