@@ -5,15 +5,17 @@
 Runs, one after the other, each in its own process (a crash or a CUDA error in one suite cannot
 poison the next), with their per-case progress lines passed through:
 
+0. ``bench_compiled.py``  suites F and B as compiled code runs them: stock vs the pass, default mode
+   and CUDA graphs, host time per call;
 1. ``bench_forward.py``   suite F (13 cases): floor, eager, stock compile, compile + pass, op alone,
    with and without CUDA-graph replay;
 2. ``bench_backward.py``  suite B (16 cases): floor, two cuBLAS GEMMs, eager, stock compile, ours;
-3. ``bench_end_to_end.py`` Hugging Face Qwen3 prefill / decode (StaticCache, decode under CUDA graphs)
+3. ``bench_end_to_end.py`` Hugging Face Qwen3 prefill / decode (StaticCache; decode in default mode and under CUDA graphs)
    and a HunYuanDenseV1 training step, eager / stock compile / compile + pass, first-compile times
    and the share of each step the fused regions account for.
 
 Each writes its JSON / markdown / PNG into DIR; this script then writes DIR/<date>-summary.md, the
-three markdown tables one after the other, with the exit status of each suite. Without CUDA every
+suites' markdown tables one after the other, with the exit status of each suite. Without CUDA every
 script says that timings need a GPU and runs its CPU numerics checks instead; the exit status is
 non-zero if any of them failed.
 """
@@ -30,6 +32,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUITES = {
+    "compiled": "bench_compiled.py",
     "forward": "bench_forward.py",
     "backward": "bench_backward.py",
     "end_to_end": "bench_end_to_end.py",
@@ -38,7 +41,9 @@ SUITES = {
 
 def suite_command(name: str, args) -> list[str]:
     cmd = [sys.executable, os.path.join(HERE, SUITES[name]), "--out", args.out]
-    if name == "forward":
+    if name == "compiled":
+        cmd += ["--cases", "quick"] if args.quick else []
+    elif name == "forward":
         cmd += ["--no-sweep"] + (["--cases", "quick"] if args.quick else [])
     elif name == "backward":
         cmd += ["--cases", "quick"] if args.quick else []
@@ -78,7 +83,7 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     parts = [f"# fusion_pass benchmarks, {date}", ""]
     parts += [f"- {name}: exit status {code}" for name, code in status.items()] + [""]
-    for name, pattern in (("forward", "*-forward.md"), ("backward", "*-backward.md"),
+    for name, pattern in (("compiled", "*-compiled.md"), ("forward", "*-forward.md"), ("backward", "*-backward.md"),
                           ("end_to_end", "*-end-to-end.md")):
         path = newest_markdown(args.out, pattern) if name in status else None
         if path:
