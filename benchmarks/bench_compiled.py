@@ -39,6 +39,7 @@ import triton.testing
 from torch import nn
 
 import fusion_pass
+from bench_forward import bench, bench_graph, copy_bandwidth_tbps  # the same timing as suite F's
 
 F_CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
            (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
@@ -142,14 +143,6 @@ class FusedQKVBlock(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def bench(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=60, return_mode="median")) * 1e3
-
-
-def bench_graph(fn) -> float:
-    return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")) * 1e3
-
-
 def host_us(fn) -> float:
     """Least of 5 samples of the host time per call (the lent host has slow spells)."""
     samples = []
@@ -179,16 +172,6 @@ def compile_variant(module, variant):
         return module
     options = fusion_pass.options() if variant == "fusion_pass" else None
     return torch.compile(module, dynamic=False, options=options)
-
-
-def copy_bandwidth_tbps() -> float:
-    n = 1 << 29
-    src = torch.empty(n, dtype=DTYPE, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    us = bench(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / (us * 1e-6) / 1e12
 
 
 def time_variant(r: dict, name: str, fn) -> None:

@@ -341,7 +341,7 @@ def _qk_norm_rope_bwd_kernel(
     sin_ptr, sin_sb, sin_ss,
     wq_ptr, wk_ptr,  # norm weights [D], contiguous
     dq_ptr, dq_sb, dq_ss,  # output: d(q_proj) [B, S, Hq*D], heads contiguous
-    dk_off, dk_sb, dk_ss,  # d(k_proj) at dq_ptr + dk_off (one buffer: see _launch)
+    dk_off, dk_sb, dk_ss,  # d(k_proj) at dq_ptr + dk_off (one buffer: see _elementwise)
     dv_off, dv_sb, dv_ss,
     gw_ws_ptr,  # [PQ + PK, D] fp32 norm-weight partials, one row per q / k program (NEED_W)
     cs_ws_ptr,  # [NQB + NKB, M, 2*D] fp32 cos/sin partials per (head block, token) (NEED_CS)
@@ -520,7 +520,7 @@ def _qk_norm_rope_bwd_rows_kernel(
     sin_ptr, sin_sb, sin_ss,
     wq_ptr, wk_ptr,  # norm weights [D], contiguous
     dq_ptr, dq_sb, dq_ss,  # output: d(q_proj) [B, S, Hq*D], heads contiguous
-    dk_off, dk_sb, dk_ss,  # d(k_proj) at dq_ptr + dk_off (one buffer: see _launch)
+    dk_off, dk_sb, dk_ss,  # d(k_proj) at dq_ptr + dk_off (one buffer: see _elementwise)
     dv_off, dv_sb, dv_ss,
     gw_ws_ptr,  # [2 * P, D] fp32 norm-weight partials: q rows [0, P), k rows [P, 2P) (NEED_W)
     cs_ws_ptr,  # [NS, M, 2*D] fp32 cos/sin partials per (head slice, token) (NEED_CS, not CS_DIRECT)
