@@ -123,6 +123,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from triton.language.extra import libdevice
 
 from .qk_norm_rope_cache_reference import NORM_STYLES
@@ -519,6 +520,57 @@ def _qk_norm_rope_cache_kernel(
             tl.store(dst + HALF, v2, mask=cache_mask)
 
 
+@triton.jit(do_not_specialize=["seq_len"])
+def _qk_norm_rope_cache_graph_kernel(
+    # tensors (None where the variant reads none: cos/sin or positions/inv_freq, weights)
+    q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr,
+    cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr,
+    k_cache_ptr, v_cache_ptr, cache_position_ptr, q_out_ptr, k_out_ptr,
+    # what scales with the batch or the sequence: may be symbolic in a compiled graph
+    seq_len,
+    stride_q_b, stride_k_b, stride_v_b, stride_qo_b, stride_ko_b, stride_cos_b, stride_sin_b, stride_pos_b,
+    # everything else is fixed by the model and its cache: compile-time constants
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, CACHE_LEN: tl.constexpr,
+    STRIDE_Q_H: tl.constexpr, STRIDE_Q_S: tl.constexpr,
+    STRIDE_K_H: tl.constexpr, STRIDE_K_S: tl.constexpr,
+    STRIDE_V_H: tl.constexpr, STRIDE_V_S: tl.constexpr,
+    STRIDE_QO_H: tl.constexpr, STRIDE_QO_S: tl.constexpr,
+    STRIDE_KO_H: tl.constexpr, STRIDE_KO_S: tl.constexpr,
+    STRIDE_KC_B: tl.constexpr, STRIDE_KC_H: tl.constexpr, STRIDE_KC_L: tl.constexpr,
+    STRIDE_VC_B: tl.constexpr, STRIDE_VC_H: tl.constexpr, STRIDE_VC_L: tl.constexpr,
+    STRIDE_COS_S: tl.constexpr, STRIDE_SIN_S: tl.constexpr, STRIDE_POS_S: tl.constexpr,
+    STRIDE_CACHE_POSITION: tl.constexpr,
+    Q_EPS: tl.constexpr, K_EPS: tl.constexpr, ATTENTION_SCALING: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr,
+    ROPE_FROM_POSITIONS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    NORM_STYLE: tl.constexpr,
+    ROPE_FIRST: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """``_qk_norm_rope_cache_kernel`` as a node of a compiled graph: the same program, with only
+    the values that scale with B or S passed at launch (9 ints, unused pointers None), because
+    the host time of a launch grows with its arguments (~0.5 us per tensor, ~0.12 us per int on
+    the H200's host: ``benchmarks/bench_launch_host.py``)."""
+    _qk_norm_rope_cache_kernel(
+        q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr,
+        k_cache_ptr, v_cache_ptr, cache_position_ptr, q_out_ptr, k_out_ptr,
+        seq_len, Q_HEADS, KV_HEADS, CACHE_LEN,
+        stride_q_b, STRIDE_Q_H, STRIDE_Q_S, stride_k_b, STRIDE_K_H, STRIDE_K_S,
+        stride_v_b, STRIDE_V_H, STRIDE_V_S, stride_qo_b, STRIDE_QO_H, STRIDE_QO_S,
+        stride_ko_b, STRIDE_KO_H, STRIDE_KO_S, STRIDE_KC_B, STRIDE_KC_H, STRIDE_KC_L,
+        STRIDE_VC_B, STRIDE_VC_H, STRIDE_VC_L, stride_cos_b, STRIDE_COS_S, stride_sin_b, STRIDE_SIN_S,
+        stride_pos_b, STRIDE_POS_S, STRIDE_CACHE_POSITION,
+        Q_EPS, K_EPS, ATTENTION_SCALING,
+        HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, ROPE_FROM_POSITIONS, INTERPRETED,
+        NORM_STYLE, ROPE_FIRST, ROTARY_DIM, INTERLEAVED,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------
@@ -618,6 +670,7 @@ def cache_kernel_call(
     tokens_per_program: int | None = None,
     heads_per_program: int | None = None,
     num_warps: int | None = None,
+    in_graph: bool = False,
 ) -> TritonCall:
     """The kernel launch for these (real or fake) tensors, with every argument named.
 
@@ -628,6 +681,12 @@ def cache_kernel_call(
     of which ``k_cache``/``v_cache`` are views at offset 0: the graph must name the tensors it
     mutates). Pure: nothing is launched or checked here beyond what the launch needs; sizes may be
     SymInts. The tensor arguments the kernel writes are ``WRITTEN_ARGS``.
+
+    ``in_graph`` (a launch recorded into a compiled graph): ``_qk_norm_rope_cache_graph_kernel``,
+    whose head counts, cache length, eps and every stride that does not scale with B or S are
+    constexprs, when those are concrete here; otherwise (and for eager calls, which should not
+    compile a kernel per cache length) ``_qk_norm_rope_cache_kernel``, all runtime arguments.
+    Unused pointers are None in both.
     """
     batch, q_heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -635,29 +694,27 @@ def cache_kernel_call(
                            heads_per_program, num_warps)
     from_positions = position_ids is not None
     if from_positions:
-        cos = sin = q  # unused pointers (constexpr branch)
         cos_strides = sin_strides = (0, 0)
         pos_strides = (_batch_stride(position_ids), position_ids.stride(1))
     else:
-        position_ids = inv_freq = cache_position  # unused pointers (constexpr branch)
         cos_strides = (_batch_stride(cos), cos.stride(1))
         sin_strides = (_batch_stride(sin), sin.stride(1))
         pos_strides = (0, 0)
     if norm == "no_weight":
-        q_weight = k_weight = q  # unused pointers (constexpr branch)
-    kwargs = named_args(
-        _qk_norm_rope_cache_kernel,
-        q, k, v, q_weight, k_weight,
-        cos, sin, position_ids, inv_freq,
-        k_cache if k_cache_storage is None else k_cache_storage,
-        v_cache if v_cache_storage is None else v_cache_storage,
-        cache_position, q_out, k_out,
-        seq_len, q_heads, kv_heads, k_cache.shape[2],
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *q_out.stride()[:3], *k_out.stride()[:3],
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *cos_strides, *sin_strides, *pos_strides, cache_position.stride(0),
-        float(q_eps), float(k_eps), float(attention_scaling),
+        q_weight = k_weight = None
+    pointers = (q, k, v, q_weight, k_weight, cos, sin, position_ids, inv_freq,
+                k_cache if k_cache_storage is None else k_cache_storage,
+                v_cache if v_cache_storage is None else v_cache_storage,
+                cache_position, q_out, k_out)
+    (q_b, q_h, q_s), (k_b, k_h, k_s), (v_b, v_h, v_s) = q.stride()[:3], k.stride()[:3], v.stride()[:3]
+    (qo_b, qo_h, qo_s), (ko_b, ko_h, ko_s) = q_out.stride()[:3], k_out.stride()[:3]
+    kc, vc = k_cache.stride()[:3], v_cache.stride()[:3]
+    cache_len = k_cache.shape[2]
+    per_batch_or_token = (seq_len, q_b, k_b, v_b, qo_b, ko_b, cos_strides[0], sin_strides[0], pos_strides[0])
+    fixed = (q_heads, kv_heads, cache_len, q_h, q_s, k_h, k_s, v_h, v_s, qo_h, qo_s, ko_h, ko_s, *kc, *vc,
+             cos_strides[1], sin_strides[1], pos_strides[1], cache_position.stride(0))
+    scalars = (float(q_eps), float(k_eps), float(attention_scaling))
+    constexprs = dict(
         HEAD_DIM=head_dim,
         HALF_BLOCK=config.half_block,
         HEADS_PER_PROGRAM=config.heads_per_program,
@@ -669,7 +726,18 @@ def cache_kernel_call(
         ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),
         INTERLEAVED=bool(interleaved),
     )
-    return TritonCall(_qk_norm_rope_cache_kernel, config.grid, kwargs, config.num_warps)
+    if in_graph and all(is_concrete_int(x) for x in fixed):
+        kernel = _qk_norm_rope_cache_graph_kernel
+        names = [n for n in kernel.arg_names if n.isupper()][:len(fixed) + len(scalars)]
+        constexprs.update(zip(names, [int(x) for x in fixed] + list(scalars)))
+        kwargs = named_args(kernel, *pointers, *per_batch_or_token, **constexprs)
+    else:
+        kernel = _qk_norm_rope_cache_kernel
+        kwargs = named_args(
+            kernel, *pointers, seq_len, q_heads, kv_heads, cache_len, q_b, q_h, q_s, k_b, k_h, k_s, v_b, v_h, v_s,
+            qo_b, qo_h, qo_s, ko_b, ko_h, ko_s, *kc, *vc, *cos_strides, *sin_strides, *pos_strides,
+            cache_position.stride(0), *scalars, **constexprs)
+    return TritonCall(kernel, config.grid, kwargs, config.num_warps)
 
 
 #: The tensor arguments of ``cache_kernel_call``'s launch that the kernel writes.

@@ -506,7 +506,7 @@ def _kernel_in_graph(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_
         v_rows = paged_cache_rows(v_cache, "value_cache", kv_heads, head_dim)
         storage = dict(k_cache_storage=k_cache, v_cache_storage=v_cache)
     call = cache_kernel_call(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, cache_position, q_eps, k_eps,
-                             q_out, k_out, **kernel_args, **storage)
+                             q_out, k_out, **kernel_args, **storage, in_graph=True)
     out = call.in_graph(CACHE_KERNEL_WRITTEN_ARGS)
     return out["q_out_ptr"], out["k_out_ptr"], out["k_cache_ptr"], out["v_cache_ptr"]
 
@@ -645,6 +645,7 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
     end)`` so that one pattern covers both; the ones no fusion consumed are put back as they
     were, so an unmatched graph leaves this pass unchanged.
     """
+    drop_export_metadata_asserts(graph)
     drop_batch_of_one_reshapes(graph)
     normalize_flat_cache_views(graph)
     rewrites = canonicalize_slice_writes(graph)
@@ -794,6 +795,15 @@ def _slice_write_parts(node: torch.fx.Node):
             return None
         bounds.append(bound)
     return cache, value, bounds[0], bounds[1]
+
+
+def drop_export_metadata_asserts(graph: torch.fx.Graph) -> None:
+    """Erase ``aten._assert_tensor_metadata`` nodes: ``torch.export`` puts one on the result of every
+    ``.to(dtype)`` (and on other values), and as an extra user of the norm's intermediates it
+    hides every prologue of an exported program (AOTInductor) from the patterns. Inductor lowers
+    the op to nothing and erases it itself later in its post-grad passes (``remove_assert_ops``)."""
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default):
+        graph.erase_node(node)
 
 
 def canonicalize_slice_writes(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:

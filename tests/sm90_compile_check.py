@@ -150,6 +150,18 @@ def variants() -> dict:
         # Inductor passes Python floats as fp64 scalars.
         out[f"{name}_as_inductor_emits_it"] = (inductor_source(fn), pointers, constexprs,
                                                {f: "fp64" for f in floats}, options)
+    # The in-graph kernel (what compiled graphs launch): Qwen3-8B decode geometry as constexprs,
+    # unused pointers None.
+    layout = dict(Q_HEADS=32, KV_HEADS=8, CACHE_LEN=2048, STRIDE_Q_H=128, STRIDE_Q_S=4096, STRIDE_K_H=128,
+                  STRIDE_K_S=1024, STRIDE_V_H=128, STRIDE_V_S=1024, STRIDE_QO_H=128, STRIDE_QO_S=4096,
+                  STRIDE_KO_H=128, STRIDE_KO_S=1024, STRIDE_KC_B=8 * 2048 * 128, STRIDE_KC_H=2048 * 128,
+                  STRIDE_KC_L=128, STRIDE_VC_B=8 * 2048 * 128, STRIDE_VC_H=2048 * 128, STRIDE_VC_L=128,
+                  STRIDE_COS_S=128, STRIDE_SIN_S=128, STRIDE_POS_S=0, STRIDE_CACHE_POSITION=1,
+                  Q_EPS=1e-6, K_EPS=1e-6, ATTENTION_SCALING=1.0)
+    fn, pointers, constexprs, floats, options = out["forward_bf16_d128"]
+    out["forward_graph_bf16_d128"] = (inductor_source(forward._qk_norm_rope_cache_graph_kernel), pointers,
+                                      dict(constexprs, **layout, position_ids_ptr=None, inv_freq_ptr=None), set(),
+                                      options)
     # Inductor's mutation analysis traces user kernels with their float arguments as Python constants.
     fn, pointers, constexprs, floats, options = out["forward_bf16_d128_as_inductor_emits_it"]
     out["forward_bf16_d128_floats_as_constants"] = (

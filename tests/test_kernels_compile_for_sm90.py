@@ -46,6 +46,7 @@ VARIANTS = [
     # as Inductor's generated code defines them (the source of the kernel and its helpers)
     "forward_bf16_d128_as_inductor_emits_it", "forward_bf16_d128_from_positions_as_inductor_emits_it",
     "forward_bf16_d128_floats_as_constants",
+    "forward_graph_bf16_d128",
     "backward_elementwise_bf16_d128_with_grads_as_inductor_emits_it",
     "backward_rows_bf16_d128_with_grads_as_inductor_emits_it", "backward_finish_w1_cs1_as_inductor_emits_it",
 ]
@@ -67,7 +68,8 @@ def test_contraction_control_shows_the_fmas_round_sum_prevents():
     assert r["fma_bf16"] > 0, r
 
 
-def test_forward_kernel_has_no_layout_conversion_barriers_and_few_registers():
-    r = report()["forward_bf16_d128"]
+@pytest.mark.parametrize("variant", ["forward_bf16_d128", "forward_graph_bf16_d128"])
+def test_forward_kernel_has_no_layout_conversion_barriers_and_few_registers(variant):
+    r = report()[variant]
     assert r["barriers"] == 0, r
     assert 0 < r["registers"] <= 80, r

@@ -13,6 +13,7 @@ called, no cache-sized buffer.
 from __future__ import annotations
 
 import copy
+import zipfile
 
 import pytest
 import torch
@@ -117,6 +118,12 @@ def test_forward_replacement_is_one_kernel_node_equal_to_the_op(name, kernels_in
     # Inductor requires exactly these strides of the kernel's inputs (lowering reads the node's
     # eager_input_vals): the strides baked into the launch must be the ones it gets.
     assert "eager_input_vals" in hops[0].meta
+    # The host cost of a launch grows with its arguments: only the tensors (None where unused) and
+    # the 9 values that scale with B or S are passed at launch; the rest are constexprs.
+    launch_args = {n: a for n, a in hops[0].kwargs["kwargs"].items() if not n.isupper()}
+    scalars = [n for n, a in launch_args.items() if not isinstance(a, torch.fx.Node) and a is not None]
+    assert len(scalars) == 9 and "seq_len" in scalars, scalars
+    assert len(launch_args) - len(scalars) == 14
     in_graph = graph(*[a.clone() if a is not None else None for a in args])
     patch = _without_kernels_in_graph()
     try:
@@ -140,21 +147,33 @@ def test_forward_symbolic_length_launch_has_no_guard_on_it():
     variant = FORWARD_VARIANTS["qwen3_bhsd_dense"]
     q, k, v, qw, kw, cos, sin, kc, vc, pos = _forward_args(variant, seq=6)
     cos, sin = cos.squeeze(1), sin.squeeze(1)
+    memory_bshd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
     shape_env = ShapeEnv()
     with FakeTensorMode(shape_env=shape_env) as mode:
         def fake(t, seq_dim):
             sizes = [DimDynamic.DYNAMIC if i == seq_dim else DimDynamic.STATIC for i in range(t.dim())]
             return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
-        fq, fk, fv = fake(q, 2), fake(k, 2), fake(v, 2)
         fcos, fsin = fake(cos, 1), fake(sin, 1)
         fpos = fake(pos, 0)
-        call = kernel.cache_kernel_call(fq, fk, fv, mode.from_tensor(qw), mode.from_tensor(kw), fcos, fsin,
-                                        mode.from_tensor(kc), mode.from_tensor(vc), fpos, 1e-6, 1e-6,
-                                        torch.empty_like(fq), torch.empty_like(fk))
+        def launch(q, k, v):
+            return kernel.cache_kernel_call(q, k, v, fake(qw, None), fake(kw, None), fcos, fsin,
+                                            fake(kc, None), fake(vc, None), fpos, 1e-6, 1e-6,
+                                            torch.empty_like(q), torch.empty_like(k), in_graph=True)
+
+        # Hugging Face's layout: [B, S, H, D] memory seen as [B, H, S, D]; only batch strides have S.
+        bshd = [fake(t, 1).transpose(1, 2) for t in memory_bshd]
+        call = launch(*bshd)
+        # [B, H, S, D] memory: the head stride is S * D, symbolic; the kernel takes it at launch.
+        generic = launch(fake(q, 2), fake(k, 2), fake(v, 2))
+    assert call.kernel is kernel._qk_norm_rope_cache_graph_kernel
     assert isinstance(call.kwargs["seq_len"], torch.SymInt) and isinstance(call.grid[0], torch.SymInt)
-    assert call.kwargs["TOKENS_PER_PROGRAM"] == kernel.launch_config(2, 8, 2, 4096, 32).tokens_per_program
-    assert all(isinstance(call.kwargs[n], int) for n in ("HEAD_DIM", "HEADS_PER_PROGRAM", "q_heads", "kv_heads"))
+    assert isinstance(call.kwargs["stride_q_b"], torch.SymInt)
+    assert all(type(call.kwargs[n]) is int for n in ("Q_HEADS", "CACHE_LEN", "STRIDE_Q_H", "STRIDE_Q_S"))
+    assert generic.kernel is kernel._qk_norm_rope_cache_kernel and isinstance(generic.kwargs["stride_q_h"], torch.SymInt)
+    for c in (call, generic):
+        assert c.kwargs["TOKENS_PER_PROGRAM"] == kernel.launch_config(2, 8, 2, 4096, 32).tokens_per_program
+        assert all(type(c.kwargs[n]) is int for n in ("HEAD_DIM", "HEADS_PER_PROGRAM"))
     assert not shape_env.guards, shape_env.guards
 
 
@@ -226,17 +245,30 @@ def test_training_replacement_traces_kernel_nodes_and_mm_nodes(kernels_in_cpu_gr
 # GPU: what Inductor generates
 # ----------------------------------------------------------------------------------------------
 
-def _assert_inline_launch(code: str, kernel: str) -> None:
-    assert f"{kernel}" in code and ".run(" in code, "our kernel is not launched by the generated wrapper"
-    assert "torch.ops.fusion_pass" not in code, "a fusion_pass op is still called per step"
+def _assert_inline_launch(code: str, kernel: str, cpp_wrapper: bool = False) -> None:
+    if cpp_wrapper:  # C++ launches the cubin: the kernel is named in a launch, no Python .run
+        assert kernel in code and "launchKernel" in code, "our kernel is not launched by the generated wrapper"
+    else:
+        assert f"{kernel}" in code and ".run(" in code, "our kernel is not launched by the generated wrapper"
+    assert "fusion_pass" not in code, "a fusion_pass op is still called per step"
+
+
+#: Inductor options beside the pass's, by the name of the way a user compiles.
+COMPILE_MODES = {
+    "default": {},
+    "cudagraphs": torch._inductor.list_mode_options("reduce-overhead"),
+    "max_autotune": torch._inductor.list_mode_options("max-autotune-no-cudagraphs"),
+    "cpp_wrapper": {"cpp_wrapper": True},
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "cudagraphs"])
+@pytest.mark.parametrize("mode", list(COMPILE_MODES))
 def test_gpu_forward_kernel_launched_by_inductor_in_place(mode):
-    """Qwen3-style prologue compiled with the pass (default mode and CUDA graphs): the generated
-    wrapper launches our kernel itself, no op, no cache-sized buffer, results as eager's."""
+    """Qwen3-style prologue compiled with the pass (default mode, CUDA graphs, max-autotune, the
+    C++ wrapper): the generated wrapper launches our kernel itself, no op, no cache-sized buffer,
+    results as eager's."""
     from qwen3_style import Qwen3StylePrologue, make_inputs
 
     cache_len = 37
@@ -246,19 +278,17 @@ def test_gpu_forward_kernel_launched_by_inductor_in_place(mode):
     ref_inputs = [x.clone() for x in inputs]
     with torch.no_grad():
         ref = model(*ref_inputs)
-    options = dict(fusion_pass.options())
-    if mode:
-        options.update(torch._inductor.list_mode_options(mode))
+    options = {**fusion_pass.options(), **COMPILE_MODES[mode]}
     compiled = torch.compile(model, options=options)
     with torch.no_grad():
         out, codes = run_and_get_code(compiled, *inputs)
-        if mode:
+        if mode == "cudagraphs":
             for _ in range(2):
                 torch.compiler.cudagraph_mark_step_begin()
                 out = compiled(*[x.clone() for x in ref_inputs[:3]], inputs[3], inputs[4], inputs[5])
     code = "\n".join(codes)
     assert fusion_pass.match_counts().get("qk_norm_rope_cache") == 1
-    _assert_inline_launch(code, "_qk_norm_rope_cache_kernel")
+    _assert_inline_launch(code, "_qk_norm_rope_cache_kernel", cpp_wrapper=mode == "cpp_wrapper")
     cache_shape = str(tuple(inputs[3].shape))
     assert not [line for line in code.splitlines() if ("empty_strided" in line or "clone" in line)
                 and cache_shape in line], "a cache-sized buffer was allocated"
@@ -293,9 +323,11 @@ def test_gpu_forward_mark_dynamic_length_needs_no_recompile():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_training_backward_is_kernels_and_mm_launched_by_inductor():
-    """A HunyuanImage-3-style block trained with the pass: the backward's generated code launches
-    our elementwise kernel and calls the GEMMs, no fusion_pass op; gradients close to eager's."""
+@pytest.mark.parametrize("mode", ["default", "cpp_wrapper"])
+def test_gpu_training_backward_is_kernels_and_mm_launched_by_inductor(mode):
+    """A HunyuanImage-3-style block trained with the pass (Python and C++ wrapper): the backward's
+    generated code launches our elementwise kernel and calls the GEMMs, no fusion_pass op;
+    gradients close to eager's."""
     from qkv_rope_qk_norm_models import FusedQKVAttention, compare_grads, rope_tables
 
     torch.manual_seed(0)
@@ -307,7 +339,16 @@ def test_gpu_training_backward_is_kernels_and_mm_launched_by_inductor():
     x = torch.randn(2, 64, 256, device="cuda", dtype=BF16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     cos, sin = (t.cuda() for t in rope_tables(64, head_dim=128, dtype=BF16))
-    compiled = torch.compile(model, options=fusion_pass.options())
+    if mode == "cpp_wrapper":
+        # Stock Inductor first: a failure of the C++ wrapper itself is not the pass's.
+        stock = torch.compile(copy.deepcopy(model), options=COMPILE_MODES[mode])
+        try:
+            stock(x, cos, sin).float().pow(2).mean().backward()
+        except Exception as e:  # noqa: BLE001
+            pytest.xfail(f"stock torch.compile fails the same training step with cpp_wrapper: {e}"[:300])
+        torch._dynamo.reset()
+        x.grad = None
+    compiled = torch.compile(model, options={**fusion_pass.options(), **COMPILE_MODES[mode]})
 
     def step():
         compiled(x, cos, sin).float().pow(2).mean().backward()
@@ -317,8 +358,8 @@ def test_gpu_training_backward_is_kernels_and_mm_launched_by_inductor():
     assert fusion_pass.match_counts() == {"qkv_rope_qk_norm": 1}
     backward_code = "\n".join(c for c in codes if "_qk_norm_rope_bwd" in c)
     assert backward_code, "no generated code launches the backward kernels"
-    _assert_inline_launch(backward_code, "_qk_norm_rope_bwd")
-    assert "extern_kernels.mm" in backward_code or "extern_kernels.addmm" in backward_code
+    _assert_inline_launch(backward_code, "_qk_norm_rope_bwd", cpp_wrapper=mode == "cpp_wrapper")
+    assert "mm" in backward_code.replace("_qk_norm_rope_bwd", ""), "no GEMM call in the backward"
     errors = compare_grads(model, reference, [("x", x, x_ref)])
     assert max(errors.values()) < 8e-3, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
@@ -347,3 +388,55 @@ def test_gpu_warm_cache_in_a_fresh_process_serves_the_fused_graph(tmp_path):
     assert warm["fx_hits"] + warm["aot_hits"] >= 1 and warm["matches"] == 0, warm  # served, the pass did not run
     assert (warm["q_sum"], warm["k_cache_sum"]) == (cold["q_sum"], cold["k_cache_sum"]), (cold, warm)
     assert cold["q_err"] < 2 ** -6 and cold["k_cache_err"] < 2 ** -6 * 16, cold
+
+
+class _DecodeStepWithCache(torch.nn.Module):
+    """A Qwen3-style prologue with its K/V cache as module buffers, as an exported decode step
+    holds it. (transformers' ``TorchExportableModuleWithStaticCache`` does not get through
+    AOTInductor with torch 2.13 even without the pass: ``aot_export_module`` rejects its
+    ``cumulative_length.copy_`` of a lifted tensor.)"""
+
+    def __init__(self, prologue, batch, kv_heads, cache_len, head_dim):
+        super().__init__()
+        self.prologue = prologue
+        self.register_buffer("k_cache", torch.randn(batch, kv_heads, cache_len, head_dim).to(BF16))
+        self.register_buffer("v_cache", torch.randn(batch, kv_heads, cache_len, head_dim).to(BF16))
+
+    def forward(self, hidden_states, cos, sin, cache_position):
+        return self.prologue(hidden_states, cos, sin, self.k_cache, self.v_cache, cache_position)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="needs CUDA")])])
+def test_aoti_package_of_a_decode_step_runs_fused(device, tmp_path):
+    """A decode step exported with its cache as buffers (``torch.export``), compiled by AOTInductor
+    with the pass into a package and loaded back: fused, and three steps (each reading the cache
+    the previous ones wrote) give eager's outputs. On CUDA the package launches our kernel (no
+    op); on CPU it calls the op (its reference)."""
+    from qwen3_style import Qwen3StylePrologue, make_inputs
+
+    prologue = Qwen3StylePrologue(hidden=256, q_heads=8, kv_heads=2, head_dim=128)
+    model = _DecodeStepWithCache(prologue, batch=2, kv_heads=2, cache_len=16, head_dim=128).to(device, BF16)
+    eager = copy.deepcopy(model)
+    steps = []
+    for position in (3, 4, 5):
+        hidden, cos, sin, *_ = make_inputs(seq=1, hidden=256, kv_heads=2, head_dim=128, cache_len=16, seed=position)
+        steps.append((hidden.to(device), cos.to(device), sin.to(device), torch.tensor([position], device=device)))
+    with torch.no_grad():
+        program = torch.export.export(copy.deepcopy(model), steps[0], strict=False)
+        path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "decode.pt2"),
+                                                        inductor_configs=fusion_pass.options(devices=device))
+        assert fusion_pass.match_counts() == {"qk_norm_rope_cache": 1}, fusion_pass.report()
+        loaded = torch._inductor.aoti_load_package(path)
+        for inputs in steps:
+            q_ref, out_ref = eager(*inputs)
+            q, out = loaded(*inputs)
+            torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=2 ** -6 * q_ref.abs().max().item())
+            torch.testing.assert_close(out, out_ref, rtol=1e-3, atol=1.0)  # a sum over both caches
+    if device == "cuda":
+        with zipfile.ZipFile(path) as package:
+            wrapper = "\n".join(package.read(name).decode(errors="replace") for name in package.namelist()
+                                if name.endswith(".cpp"))
+        assert "_qk_norm_rope_cache" in wrapper, "the package does not launch our kernel"
+        assert "fusion_pass" not in wrapper
