@@ -302,6 +302,13 @@ def bench_ms(fn, rep_ms: int) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
+def interleaved_ms(steps: dict) -> dict:
+    """``bench_forward.interleaved_wall_us`` in ms."""
+    from bench_forward import interleaved_wall_us
+
+    return {k: v / 1e3 for k, v in interleaved_wall_us(steps).items()}
+
+
 def gpu_time_us(fn, calls: int = 20, trials: int = 15) -> tuple[float, str]:
     """Median GPU time of one fn() call: `calls` calls captured in one CUDA graph, replayed between CUDA
     events. Falls back to a plain loop between events (host overhead included when host-bound)."""
@@ -382,6 +389,7 @@ def run_inference_case(name: str, kind: str, batch: int, seq: int, model, config
     floor = 4 * BF16_EPS * scale
     stock_err = None
 
+    kept: dict = {}
     for variant in VARIANTS:
         v: dict = {}
         r["variants"][variant] = v
@@ -436,9 +444,18 @@ def run_inference_case(name: str, kind: str, batch: int, seq: int, model, config
                                                        else "")
                 + (f", matches {v['match_counts']}" if variant != "eager" else "")
                 + (f", err {v['max_abs_err_vs_eager']:.3g}" if "max_abs_err_vs_eager" in v else ""))
+        if not cudagraphs and variant != "eager":
+            kept[variant] = step  # timed again below, taking turns with the other variant
         fn = step = None
-        torch._dynamo.reset()
+        if cudagraphs or variant == "eager":
+            torch._dynamo.reset()
         torch.cuda.empty_cache()
+    if kept:
+        with recorded(r, "interleaved"), torch.no_grad():
+            r["interleaved_ms"] = interleaved_ms(kept)
+            log(f"    interleaved: {r['interleaved_ms']}")
+    kept = None
+    torch._dynamo.reset()
 
     with recorded(r, "fused_region"):
         r["fused_region"] = inference_region_times(batch, 1 if decode else seq, start, cache_len, g,

@@ -132,6 +132,29 @@ def bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=REP_MS, return_mode="median")) * 1e3
 
 
+def interleaved_wall_us(steps: dict, rounds: int = 15, calls: int = 20) -> dict:
+    """Per variant, the median over ``rounds`` of the wall time per call (µs) of ``calls``
+    back-to-back calls (one synchronization per round, no L2 flush), the variants taking turns
+    within every round: what a loop without CUDA graphs sees, host time included. Taking turns
+    spreads the lent host's slow spells over every variant; one ``do_bench`` per variant, one after
+    the other, moved by up to 1.7x in the same process (2026-12-01), and its L2 flush lets a
+    host-bound call run ahead."""
+    import statistics
+
+    times: dict = {k: [] for k in steps}
+    for step in steps.values():
+        step()
+    for _ in range(rounds):
+        for k, step in steps.items():
+            synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            synchronize()
+            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def bench_graph(fn) -> float:
     params = inspect.signature(triton.testing.do_bench_cudagraph).parameters
     if "return_mode" in params:
