@@ -39,7 +39,7 @@ import triton.testing
 from torch import nn
 
 import fusion_pass
-from bench_forward import bench, bench_graph, copy_bandwidth_tbps, interleaved_wall_us  # suite F's timing
+from bench_forward import bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_wall_us  # suite F's timing
 
 F_CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
            (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
@@ -50,7 +50,6 @@ B_QUICK = [(128, 1), (256, 8), (541, 4), (2048, 2)]
 DTYPE = torch.bfloat16
 F_HQ, F_HKV, F_D, F_L, F_THETA, EPS = 96, 8, 128, 262144, 10_000_000.0, 1e-6
 B_HQ, B_HKV, B_D, B_HIDDEN = 32, 8, 128, 4096
-HOST_CALLS = 30
 
 
 def log(*args) -> None:
@@ -143,19 +142,6 @@ class FusedQKVBlock(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def host_us(fn) -> float:
-    """Least of 5 samples of the host time per call (the lent host has slow spells)."""
-    samples = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(HOST_CALLS):
-            fn()
-        samples.append((time.perf_counter() - t0) / HOST_CALLS * 1e6)
-        torch.cuda.synchronize()
-    return min(samples)
-
-
 def attempt(r: dict, key: str, fn) -> None:
     try:
         r[key] = fn()
@@ -177,7 +163,7 @@ def compile_variant(module, variant):
 def time_variant(r: dict, name: str, fn) -> None:
     attempt(r, f"{name}_us", lambda: bench(fn))
     attempt(r, f"{name}_graph_us", lambda: bench_graph(fn))
-    attempt(r, f"{name}_host_us", lambda: host_us(fn))
+    attempt(r, f"{name}_host_us", lambda: host_us(fn, calls=30))
 
 
 def f_case(seq: int, cached: int, batch: int, copy_tbps: float, code_dir: str | None = None) -> dict:

@@ -132,6 +132,20 @@ def bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=REP_MS, return_mode="median")) * 1e3
 
 
+def host_us(fn, calls: int = 30, samples: int = 5) -> float:
+    """Least of ``samples`` samples of the host time per call, ``calls`` calls each with no
+    synchronization inside a sample (the lent host has slow spells)."""
+    times = []
+    for _ in range(samples):
+        synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        synchronize()
+    return min(times)
+
+
 def interleaved_wall_us(steps: dict, rounds: int = 15, calls: int = 20) -> dict:
     """Per variant, the median over ``rounds`` of the wall time per call (µs) of ``calls``
     back-to-back calls (one synchronization per round, no L2 flush), the variants taking turns

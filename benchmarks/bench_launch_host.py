@@ -59,21 +59,9 @@ def load_kernel(tensors: int, ints: int):
     return module.probe_kernel
 
 
-def host_us(fn, calls: int = 200) -> float:
-    import torch
-    samples = []
-    for _ in range(7):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return min(samples)
-
-
 def measure_in_this_process() -> dict:
     import torch
+    from bench_forward import host_us
 
     results = {}
     for name, tensors, ints, views in SHAPES:
@@ -90,7 +78,7 @@ def measure_in_this_process() -> dict:
             torch._dynamo.reset()
             compiled = torch.compile(launch_all, fullgraph=True)
             compiled(*base)
-            per_r[repeats] = host_us(lambda: compiled(*base))
+            per_r[repeats] = host_us(lambda: compiled(*base), calls=200, samples=7)
         slope = (per_r[REPEATS[1]] - per_r[REPEATS[0]]) / (REPEATS[1] - REPEATS[0])
         results[name] = {"host_us_per_call": per_r, "host_us_per_launch": round(slope, 2)}
         print(f"  {name}: {slope:.2f} us per launch ({per_r})", flush=True)
