@@ -662,6 +662,90 @@ def _finish_partials_kernel(
 _FINISH_NUM_WARPS = 4
 
 
+@triton.jit
+def _qk_norm_rope_bwd_graph_kernel(
+    gq_ptr, gq_sb: tl.constexpr, gq_sh: tl.constexpr, gq_ss: tl.constexpr, gk_ptr, gk_sb: tl.constexpr,
+    gk_sh: tl.constexpr, gk_ss: tl.constexpr, gv_ptr, gv_sb: tl.constexpr, gv_sh: tl.constexpr,
+    gv_ss: tl.constexpr, q_ptr, q_sb: tl.constexpr, q_ss: tl.constexpr, q_sh: tl.constexpr, k_ptr,
+    k_sb: tl.constexpr, k_ss: tl.constexpr, k_sh: tl.constexpr, rq_ptr, rq_sb: tl.constexpr,
+    rq_sh: tl.constexpr, rq_ss: tl.constexpr, rk_ptr, rk_sb: tl.constexpr, rk_sh: tl.constexpr,
+    rk_ss: tl.constexpr, cos_ptr, cos_sb: tl.constexpr, cos_ss: tl.constexpr, sin_ptr, sin_sb: tl.constexpr,
+    sin_ss: tl.constexpr, wq_ptr, wk_ptr, dq_ptr, dq_sb: tl.constexpr, dq_ss: tl.constexpr,
+    dk_off: tl.constexpr, dk_sb: tl.constexpr, dk_ss: tl.constexpr, dv_off: tl.constexpr, dv_sb: tl.constexpr,
+    dv_ss: tl.constexpr, gw_ws_ptr, cs_ws_ptr, M: tl.constexpr, S: tl.constexpr, GQ: tl.constexpr,
+    GK: tl.constexpr, GV: tl.constexpr, NTT_Q: tl.constexpr, NTT_KV: tl.constexpr, HQ: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BHQ: tl.constexpr, BTQ: tl.constexpr, BHK: tl.constexpr, BTK: tl.constexpr, BHV: tl.constexpr,
+    BTV: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+):
+    """``_qk_norm_rope_bwd_kernel`` (the head-tile elementwise kernel) in a
+    compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
+    tensors are passed at launch (a launch costs the host ~0.12 us per int argument,
+    ``benchmarks/bench_launch_host.py``)."""
+    _qk_norm_rope_bwd_kernel(
+        gq_ptr, gq_sb, gq_sh, gq_ss, gk_ptr, gk_sb, gk_sh, gk_ss, gv_ptr, gv_sb, gv_sh, gv_ss, q_ptr, q_sb,
+        q_ss, q_sh, k_ptr, k_sb, k_ss, k_sh, rq_ptr, rq_sb, rq_sh, rq_ss, rk_ptr, rk_sb, rk_sh, rk_ss, cos_ptr,
+        cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, wq_ptr, wk_ptr, dq_ptr, dq_sb, dq_ss, dk_off, dk_sb, dk_ss,
+        dv_off, dv_sb, dv_ss, gw_ws_ptr, cs_ws_ptr, M, S, GQ, GK, GV, NTT_Q, NTT_KV, HQ, HKV, D, HALF,
+        BLOCK_HALF, BLOCK_D, BHQ, BTQ, BHK, BTK, BHV, BTV, ROUND, INTERP, NEED_W, NEED_CS,
+    )
+
+
+@triton.jit
+def _qk_norm_rope_bwd_rows_graph_kernel(
+    gq_ptr, gq_sb: tl.constexpr, gq_sh: tl.constexpr, gq_ss: tl.constexpr, gk_ptr, gk_sb: tl.constexpr,
+    gk_sh: tl.constexpr, gk_ss: tl.constexpr, gv_ptr, gv_sb: tl.constexpr, gv_sh: tl.constexpr,
+    gv_ss: tl.constexpr, q_ptr, q_sb: tl.constexpr, q_ss: tl.constexpr, q_sh: tl.constexpr, k_ptr,
+    k_sb: tl.constexpr, k_ss: tl.constexpr, k_sh: tl.constexpr, rq_ptr, rq_sb: tl.constexpr,
+    rq_sh: tl.constexpr, rq_ss: tl.constexpr, rk_ptr, rk_sb: tl.constexpr, rk_sh: tl.constexpr,
+    rk_ss: tl.constexpr, cos_ptr, cos_sb: tl.constexpr, cos_ss: tl.constexpr, sin_ptr, sin_sb: tl.constexpr,
+    sin_ss: tl.constexpr, wq_ptr, wk_ptr, dq_ptr, dq_sb: tl.constexpr, dq_ss: tl.constexpr,
+    dk_off: tl.constexpr, dk_sb: tl.constexpr, dk_ss: tl.constexpr, dv_off: tl.constexpr, dv_sb: tl.constexpr,
+    dv_ss: tl.constexpr, gw_ws_ptr, cs_ws_ptr, gc_ptr, gs_ptr, M: tl.constexpr, S: tl.constexpr,
+    P: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr, ROUND: tl.constexpr,
+    CS_ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    CS_DIRECT: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``_qk_norm_rope_bwd_rows_kernel`` (the token-row elementwise kernel) in a
+    compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
+    tensors are passed at launch (a launch costs the host ~0.12 us per int argument,
+    ``benchmarks/bench_launch_host.py``)."""
+    _qk_norm_rope_bwd_rows_kernel(
+        gq_ptr, gq_sb, gq_sh, gq_ss, gk_ptr, gk_sb, gk_sh, gk_ss, gv_ptr, gv_sb, gv_sh, gv_ss, q_ptr, q_sb,
+        q_ss, q_sh, k_ptr, k_sb, k_ss, k_sh, rq_ptr, rq_sb, rq_sh, rq_ss, rk_ptr, rk_sb, rk_sh, rk_ss, cos_ptr,
+        cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, wq_ptr, wk_ptr, dq_ptr, dq_sb, dq_ss, dk_off, dk_sb, dk_ss,
+        dv_off, dv_sb, dv_ss, gw_ws_ptr, cs_ws_ptr, gc_ptr, gs_ptr, M, S, P, HQ, HKV, D, HALF, BLOCK_HALF,
+        BLOCK_D, BT, NS, ROUND, CS_ROUND, INTERP, NEED_W, NEED_CS, CS_DIRECT, STAGES,
+    )
+
+
+@triton.jit
+def _finish_partials_graph_kernel(
+    gw_ws_ptr, gqw_ptr, gkw_ptr, cs_ws_ptr, gc_ptr, gs_ptr, PA: tl.constexpr, PB: tl.constexpr,
+    R: tl.constexpr, M: tl.constexpr, S: tl.constexpr, NHB: tl.constexpr, NB: tl.constexpr,
+    CS_PROGRAMS: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_2D: tl.constexpr, W_ROUND: tl.constexpr, CS_ROUND: tl.constexpr,
+    NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+):
+    """``_finish_partials_kernel`` (the finishing sums) in a
+    compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
+    tensors are passed at launch (a launch costs the host ~0.12 us per int argument,
+    ``benchmarks/bench_launch_host.py``)."""
+    _finish_partials_kernel(
+        gw_ws_ptr, gqw_ptr, gkw_ptr, cs_ws_ptr, gc_ptr, gs_ptr, PA, PB, R, M, S, NHB, NB, CS_PROGRAMS, D,
+        BLOCK_P, BLOCK_L, BLOCK_T, BLOCK_2D, W_ROUND, CS_ROUND, NEED_W, NEED_CS,
+    )
+
+
+#: The entry each kernel has in a compiled graph (``_run``): the same program, scalars as constexprs.
+GRAPH_KERNELS = {
+    _qk_norm_rope_bwd_kernel: _qk_norm_rope_bwd_graph_kernel,
+    _qk_norm_rope_bwd_rows_kernel: _qk_norm_rope_bwd_rows_graph_kernel,
+    _finish_partials_kernel: _finish_partials_graph_kernel,
+}
+
+
 def elementwise_supported(grad_q, grad_k, grad_v, q, k, cos, sin, q_weight, k_weight) -> bool:
     """True when ``qk_norm_rope_backward_triton`` handles these tensors (else it raises ValueError):
     a device Triton runs on, one dtype in SUPPORTED_DTYPES for all of them, an even head_dim and
@@ -968,7 +1052,7 @@ def _run(call: TritonCall, written: tuple[str, ...], in_graph: bool) -> dict[str
     """Launch now, or record the launch in the graph; the written tensors by argument name (in a
     graph: their new values, which the next launch must read)."""
     if in_graph:
-        return call.in_graph(written)
+        return dataclasses.replace(call, kernel=GRAPH_KERNELS[call.kernel]).in_graph(written)
     call.run()
     return {name: call.kwargs[name] for name in written}
 

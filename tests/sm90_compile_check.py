@@ -196,6 +196,25 @@ def variants() -> dict:
             set(), dict(num_warps=4))
     out["backward_finish_w1_cs1_as_inductor_emits_it"] = (inductor_source(backward._finish_partials_kernel),
                                                          *out["backward_finish_w1_cs1"][1:])
+    # The graph entries (static shapes: every size and stride a constexpr), B 2, S 2048, 32/8 heads,
+    # D 128, q/k pre-RoPE as views of the [B, S, 6144] projection, grads [B, H, S, D] contiguous.
+    S, W, M = 2048, (32 + 16) * 128, 2 * 2048
+    layout = dict(gq_sb=32 * S * 128, gq_sh=S * 128, gq_ss=128, gk_sb=8 * S * 128, gk_sh=S * 128, gk_ss=128,
+                  gv_sb=8 * S * 128, gv_sh=S * 128, gv_ss=128, q_sb=S * W, q_ss=W, q_sh=128, k_sb=S * W, k_ss=W,
+                  k_sh=128, rq_sb=32 * S, rq_sh=S, rq_ss=1, rk_sb=8 * S, rk_sh=S, rk_ss=1, cos_sb=0, cos_ss=128,
+                  sin_sb=0, sin_ss=128, dq_sb=S * W, dq_ss=W, dk_off=32 * 128, dk_sb=S * W, dk_ss=W,
+                  dv_off=40 * 128, dv_sb=S * W, dv_ss=W, M=M, S=S)
+    for name, entry, sizes in (
+            ("backward_elementwise_bf16_d128_with_grads", backward._qk_norm_rope_bwd_graph_kernel,
+             dict(GQ=8, GK=8, GV=8, NTT_Q=128, NTT_KV=32)),
+            ("backward_rows_bf16_d128_with_grads", backward._qk_norm_rope_bwd_rows_graph_kernel, dict(P=132))):
+        fn, pointers, constexprs, floats, options = out[name]
+        out[name.replace("backward", "backward_graph")] = (
+            inductor_source(entry), pointers, dict(constexprs, **layout, **sizes), floats, options)
+    fn, pointers, constexprs, floats, options = out["backward_finish_w1_cs1"]
+    out["backward_graph_finish_w1_cs1"] = (
+        inductor_source(backward._finish_partials_graph_kernel), pointers,
+        dict(constexprs, PA=132, PB=132, R=S, M=M, S=S, NHB=1, NB=2, CS_PROGRAMS=128), floats, options)
     return out
 
 

@@ -13,11 +13,12 @@ called, no cache-sized buffer.
 from __future__ import annotations
 
 import copy
+import inspect
 import zipfile
 
 import pytest
 import torch
-from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 from torch._inductor.pattern_matcher import joint_fwd_bwd
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -237,8 +238,17 @@ def test_training_replacement_traces_kernel_nodes_and_mm_nodes(kernels_in_cpu_gr
         return training_op.QKVRopeQKNormFunction.apply(x, qw, kw, cos, sin, HQ, HKV, 1e-6, 1e-6, 1, w)
 
     joint = joint_fwd_bwd(region, inputs)
-    assert len(_hop_nodes(joint)) == 2 and not _op_nodes(joint), joint.graph
+    hops = _hop_nodes(joint)
+    assert len(hops) == 2 and not _op_nodes(joint), joint.graph
     assert len([n for n in joint.graph.nodes if n.target is torch.ops.aten.mm.default]) >= 3  # fwd + 2 bwd
+    # Shapes are static here: the graph entries take every size and stride as a constexpr, so only
+    # tensors are passed at launch (the host cost of a launch grows with its arguments).
+    for hop in hops:
+        kernel = kernel_side_table.get_kernel(hop.kwargs["kernel_idx"]).fn  # inside its one-config autotuner
+        assert kernel.__name__.endswith("_graph_kernel"), kernel.__name__
+        params = inspect.signature(kernel.fn).parameters.values()
+        runtime = [p.name for p in params if "constexpr" not in str(p.annotation)]
+        assert runtime and all(n.endswith("_ptr") for n in runtime), runtime
 
 
 # ----------------------------------------------------------------------------------------------
