@@ -89,6 +89,10 @@ def check_qkv_rope_qk_norm_args(
     if q_norm_weight.dim() != 1:
         fail("q_norm_weight", "a 1-D tensor [D] (head_dim)", f"shape {tuple(q_norm_weight.shape)}")
     head_dim = q_norm_weight.shape[0]
+    if (k_norm_weight.dim() == 1 and cos.dim() == 3 and k_norm_weight.shape[0] == cos.shape[2] != head_dim):
+        # k's weight and cos agree on D: q's weight is the odd one out.
+        fail("q_norm_weight", f"shape [{cos.shape[2]}] (head_dim, as k_norm_weight and cos have)",
+             f"shape {tuple(q_norm_weight.shape)}")
     if head_dim % 2:
         fail("q_norm_weight", "an even head_dim (RoPE rotates halves)", head_dim)
     if tuple(k_norm_weight.shape) != (head_dim,):

@@ -659,6 +659,8 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
 
 _NO_CACHE_WRITE = "per-head RMSNorm -> RoPE without a matching K/V cache write (left unfused)"
 _ROPE_FIRST_NO_CACHE_WRITE = "RoPE -> per-head RMSNorm without a matching K/V cache write (left unfused)"
+_FP32_MODEL = ("per-head RMSNorm -> RoPE in float32: the fused kernel takes bf16 or fp16 models (left to "
+               "Inductor)")
 # Node meta key: the whole fusion matched here and was refused, with a reason already reported.
 _REJECTED = "fusion_pass_qk_norm_rope_cache_refused"
 
@@ -686,11 +688,13 @@ def _near_miss_pass():
 
     # The norm on [B, S, H, D] before the transpose, on a contiguous [B, H, S, D], and (for the
     # forms whose graph then has a copy) on the transposed view of [B, S, H, D].
+    # An fp32 model traces the same norm without its casts: matched apart, to say why it is left.
     placements = ((True, False), (False, False), (False, True))
-    for norm, (norm_before_transpose, strided) in itertools.product(NORM_FORMS.values(), placements):
+    for norm, (norm_before_transpose, strided), dtype in itertools.product(
+            NORM_FORMS.values(), placements, (torch.bfloat16, torch.float32)):
         if strided and not norm.copies_strided_input:
             continue
-        t = functools.partial(torch.empty, dtype=torch.bfloat16)
+        t = functools.partial(torch.empty, dtype=dtype)
         example = [t(2, 8, 4, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)]
         if not norm_before_transpose:
             example[0] = t(2, 8, 4, 16).transpose(1, 2) if strided else t(2, 4, 8, 16)
@@ -698,10 +702,13 @@ def _near_miss_pass():
             del example[1]
         pattern = gen_pattern(norm_rope(norm, norm_before_transpose), example, fwd_only,
                               scalar_workaround={"eps": _Q_EPS_EXAMPLE})
-        register_graph_pattern(
-            pattern, pass_dict=near_misses,
-            extra_check=lambda match: fusion_config.device_allowed(_val(match, "x").device),
-        )(report(_NO_CACHE_WRITE))
+
+        def allowed(match, fp32=dtype == torch.float32):
+            x = _val(match, "x")
+            return fusion_config.device_allowed(x.device) and (x.dtype == torch.float32) == fp32
+
+        register_graph_pattern(pattern, pass_dict=near_misses, extra_check=allowed)(
+            report(_FP32_MODEL if dtype == torch.float32 else _NO_CACHE_WRITE))
 
     # HunYuan's order: RoPE on [B, H, S, D], then the (Qwen3-form) norm.
     def rope_norm(x, weight, cos, sin, eps):

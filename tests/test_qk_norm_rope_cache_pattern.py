@@ -149,6 +149,20 @@ def test_norm_rope_without_cache_write_is_a_reported_near_miss():
     assert "without a matching K/V cache write" in fusion_pass.report()
 
 
+def test_fp32_model_is_a_reported_near_miss_with_its_reason():
+    """fp32 traces the norm without casts, so the bf16/fp16 patterns cannot see it; the report
+    still says why the prologue was left (once per norm: q and k), and nothing else."""
+    model = Qwen3StylePrologue()
+    inputs = make_inputs(dtype=torch.float32)
+    (q_ref, _), _ = reference(model, inputs)
+    (q_out, _), _ = run_compiled(model, inputs)
+    assert fused_count() == 0
+    report = fusion_pass.report()
+    assert "RoPE in float32: the fused kernel takes bf16 or fp16 models" in report and "(x2)" in report, report
+    assert "without a matching K/V cache write" not in report
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+
+
 def test_normed_q_with_another_user_is_not_fused_and_stays_correct():
     model = Qwen3StylePrologue(extra_use_of_normed_q=True).to(torch.bfloat16)
     inputs = make_inputs()
