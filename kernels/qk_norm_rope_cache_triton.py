@@ -798,7 +798,7 @@ def qk_norm_rope_cache_triton(
             (GPT-J / GLM ``rotate_half`` on interleaved features; the ``INTERLEAVED`` constexpr);
             not with a partial ``rotary_dim``.
     """
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 and k.numel() == 0:  # Hq = 0 alone still has k and v to write
         return
     cache_kernel_call(
         q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
@@ -849,7 +849,7 @@ def qk_norm_rope_cache_from_positions_triton(
             f"inv_freq: expected a contiguous fp32 tensor of shape [{head_dim // 2}], "
             f"got {inv_freq.dtype} {tuple(inv_freq.shape)} strides {inv_freq.stride()}"
         )
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 and k.numel() == 0:  # Hq = 0 alone still has k and v to write
         return
     cache_kernel_call(
         q, k, v, q_weight, k_weight, None, None, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,

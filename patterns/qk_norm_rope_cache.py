@@ -495,7 +495,7 @@ def _kernel_in_graph(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_
     Inductor's wrapper launches it and re-inplaces the caches; every launch parameter (tile,
     grid, strides) is fixed here, at trace time, from the matched values."""
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    if statically_known_true(q.numel() == 0) or statically_known_true(k.numel() == 0):
+    if statically_known_true(q.numel() == 0) and statically_known_true(k.numel() == 0):
         return q_out, k_out, k_cache, v_cache
     storage = {}
     k_rows, v_rows = k_cache, v_cache

@@ -254,6 +254,11 @@ def test_empty_sequence_is_a_no_op():
     assert q_out.numel() == 0 and torch.equal(case["k_cache"], k_before) and torch.equal(case["v_cache"], v_before)
 
 
+def test_no_query_heads_still_writes_k_out_and_both_caches():
+    """Hq = 0 with non-empty k/v (issue 18 item 4): nothing to do for q, everything for k and v."""
+    run_and_check(make_case(q_heads=0, kv_heads=2, seq=5, seed=9))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("position_batch,scaling", [(2, 1.0), (1, 0.7071)])
 def test_from_positions(dtype, position_batch, scaling):
