@@ -14,22 +14,32 @@ import torch._inductor.config as inductor_config
 
 from . import config as fusion_config
 from .versions import check_torch_version
-from .passes import FusionGraphPass, is_ours
+from .passes import FusionGraphPass, graph_passes, is_ours
 
 _HOOKS = {
     "post_grad_custom_pre_pass": ("post_grad", fusion_config.FORWARD_FAMILIES),
     "joint_custom_post_pass": ("joint", fusion_config.TRAINING_FAMILIES),
 }
 
-# What occupied each hook before install(), so that uninstall() can put it back.
-_saved: dict[str, Any] | None = None
+# Whether install() is in effect (uninstall() takes our passes out of the hooks, whatever the
+# user put there since).
+_installed = False
+
+
+def _without_ours(hook_value: Any) -> Any:
+    """The hook value with our passes replaced by what they wrap (a list stays a list)."""
+    if is_ours(hook_value):
+        return hook_value.previous
+    if isinstance(hook_value, (list, tuple)):
+        kept = [p for value in hook_value for p in (graph_passes(value.previous) if is_ours(value) else (value,))]
+        return type(hook_value)(kept)
+    return hook_value
 
 
 def _compose(hook: str, current: Any, config: fusion_config.FusionConfig) -> FusionGraphPass:
     stage, families = _HOOKS[hook]
-    if is_ours(current):
-        current = current.previous  # re-installing: never stack our pass on itself
-    return FusionGraphPass(stage, families, config, previous=current)
+    # Re-installing: never stack our pass on itself. The user's passes (one, or a list) run after ours.
+    return FusionGraphPass(stage, families, config, previous=_without_ours(current))
 
 
 def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None) -> None:
@@ -57,27 +67,27 @@ def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | 
         ...
         print(fusion_pass.report())
     """
-    global _saved
+    global _installed
     check_torch_version()
     config = fusion_config.FusionConfig.make(devices, families)
-    if _saved is None:
-        _saved = {hook: getattr(inductor_config, hook) for hook in _HOOKS}
+    _installed = True
     for hook in _HOOKS:
         setattr(inductor_config, hook, _compose(hook, getattr(inductor_config, hook), config))
 
 
 def uninstall() -> None:
-    """Restore Inductor's hooks to what they held before ``install()``; a no-op if not installed."""
-    global _saved
-    if _saved is None:
+    """Take our passes out of Inductor's hooks, leaving the user's passes in them (those there
+    before ``install()`` and those set since); a no-op if not installed."""
+    global _installed
+    if not _installed:
         return
-    for hook, previous in _saved.items():
-        setattr(inductor_config, hook, previous)
-    _saved = None
+    for hook in _HOOKS:
+        setattr(inductor_config, hook, _without_ours(getattr(inductor_config, hook)))
+    _installed = False
 
 
 def installed() -> bool:
-    return _saved is not None
+    return _installed
 
 
 def options(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import PatternMatcherPass, stable_topological_sort
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
@@ -75,15 +76,27 @@ def _apply_family(family: str, graph: torch.fx.Graph) -> int:
     return _family_pass(family).apply(graph)
 
 
-class FusionGraphPass(CustomGraphPass):
-    """Applies the enabled families of one stage, then the pass that was installed before us.
+# Inductor passes ``is_inference`` to a post-grad pass of this kind, which ours hands on to a
+# user's inference-aware pass; a torch without the class has no such passes to hand it to.
+_InferenceAwarePass = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", CustomGraphPass)
+
+
+def graph_passes(hook_value: Any) -> tuple:
+    """The passes an Inductor hook value holds: None, one pass, or a list or tuple of passes."""
+    if hook_value is None:
+        return ()
+    return tuple(hook_value) if isinstance(hook_value, (list, tuple)) else (hook_value,)
+
+
+class FusionGraphPass(_InferenceAwarePass):
+    """Applies the enabled families of one stage, then the passes that were installed before us.
 
     Args:
         stage: ``"post_grad"`` (forward/inference families) or ``"joint"`` (training families).
         families: the families this pass applies, in order.
         config: devices and enabled families; active while the pass runs, part of its uuid.
-        previous: the user's own pass that occupied the same Inductor hook, or None; it keeps
-            running, after ours.
+        previous: what occupied the same Inductor hook: None, the user's pass, or a list of
+            passes (inference-aware ones included); they keep running, after ours, in order.
     """
 
     def __init__(
@@ -100,7 +113,7 @@ class FusionGraphPass(CustomGraphPass):
         self.config = config
         self.previous = previous
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
         with fusion_config.using(self.config):
             replaced = 0
             for family in self.families:
@@ -112,16 +125,21 @@ class FusionGraphPass(CustomGraphPass):
             # A replacement is inserted where the pattern's first output was; inputs of later
             # outputs (k, v) may be defined after it. Later passes expect topological order.
             stable_topological_sort(graph)
-        if self.previous is not None:
-            self.previous(graph)
+        for previous in graph_passes(self.previous):
+            # As Inductor calls the passes of the hook: post-grad inference-aware ones get is_inference.
+            if (self.stage == "post_grad" and _InferenceAwarePass is not CustomGraphPass
+                    and isinstance(previous, _InferenceAwarePass)):
+                previous(graph, is_inference=bool(is_inference))
+            else:
+                previous(graph)
 
     def uuid(self) -> Any:
-        previous_uuid = None
-        if self.previous is not None:
-            if not isinstance(self.previous, CustomGraphPass):
+        previous_uuid = []
+        for previous in graph_passes(self.previous):
+            if not isinstance(previous, CustomGraphPass):
                 return None  # a bare callable disables Inductor's caching anyway
-            previous_uuid = self.previous.uuid()
-            if previous_uuid is None:
+            previous_uuid.append(previous.uuid())
+            if previous_uuid[-1] is None:
                 return None
         return (
             "fusion_pass",
@@ -130,7 +148,7 @@ class FusionGraphPass(CustomGraphPass):
             _source_hash(),
             repr(self.config),
             torch.__version__,
-            previous_uuid,
+            tuple(previous_uuid),
         )
 
 

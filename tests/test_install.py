@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch._inductor.config as inductor_config
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fusion_pass
@@ -42,6 +43,43 @@ def test_install_keeps_the_users_pass_and_uninstall_restores_it():
         assert inductor_config.joint_custom_post_pass is None
         assert not fusion_pass.installed()
         fusion_pass.uninstall()  # a no-op when not installed
+
+
+class InferenceAwareUserPass(custom_graph_pass.CustomInferenceAwareGraphPass):
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, graph, is_inference):
+        self.seen.append(is_inference)
+
+    def uuid(self):
+        return "inference-aware-user-pass-v1"
+
+
+def test_a_list_of_user_passes_and_an_inference_aware_one_run_after_ours():
+    """Inductor accepts a list of passes in a hook, and passes ``is_inference`` to an
+    inference-aware one: both keep working after ``install()`` (issue 18 item 6)."""
+    first, aware = UserPass(), InferenceAwareUserPass()
+    with inductor_config.patch(post_grad_custom_pre_pass=[first, aware], force_disable_caches=True):
+        fusion_pass.install(devices=("cpu",))
+        ours = inductor_config.post_grad_custom_pre_pass
+        assert isinstance(ours, FusionGraphPass) and ours.previous == [first, aware]
+        assert "user-pass-v1" in repr(ours.uuid()) and "inference-aware-user-pass-v1" in repr(ours.uuid())
+        with torch.no_grad():
+            torch.compile(lambda x: x * 2)(torch.randn(4))
+        assert first.calls == 1 and aware.seen == [True]
+        fusion_pass.uninstall()
+        assert inductor_config.post_grad_custom_pre_pass == [first, aware]
+
+
+def test_uninstall_keeps_a_pass_the_user_set_after_install():
+    fusion_pass.install(devices=("cpu",))
+    later = UserPass()
+    with inductor_config.patch(joint_custom_post_pass=None):
+        inductor_config.post_grad_custom_pre_pass = [inductor_config.post_grad_custom_pre_pass, later]
+        fusion_pass.uninstall()
+        assert inductor_config.post_grad_custom_pre_pass == [later]
+        inductor_config.post_grad_custom_pre_pass = None
 
 
 def test_options_leave_the_global_hooks_alone():
