@@ -21,11 +21,6 @@ _HOOKS = {
     "joint_custom_post_pass": ("joint", fusion_config.TRAINING_FAMILIES),
 }
 
-# Whether install() is in effect (uninstall() takes our passes out of the hooks, whatever the
-# user put there since).
-_installed = False
-
-
 def _without_ours(hook_value: Any) -> Any:
     """The hook value with our passes replaced by what they wrap (a list stays a list)."""
     if is_ours(hook_value):
@@ -43,11 +38,14 @@ def _compose(hook: str, current: Any, config: fusion_config.FusionConfig) -> Fus
 
 
 def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None) -> None:
-    """Install the fusion passes into Inductor's global hooks.
+    """Install the fusion passes into Inductor's hooks, as the calling thread sees them.
 
-    Every later ``torch.compile`` (Inductor backend) rewrites matching subgraphs. A custom pass
-    the user had in the same hook keeps running after ours; ``uninstall()`` restores it.
-    Calling ``install`` again replaces the configuration (passes are never stacked twice).
+    Every later ``torch.compile`` (Inductor backend) in this thread rewrites matching subgraphs.
+    torch 2.13 keeps Inductor's configuration per thread (a context variable): a compile in
+    another thread sees the passes only if that thread calls ``install`` too, or compiles with
+    ``options()``; ``installed()`` tells, per thread. Custom passes the user had in the same hook
+    (one, or a list) keep running after ours; ``uninstall()`` leaves them there. Calling
+    ``install`` again replaces the configuration (passes are never stacked twice).
 
     Args:
         devices: device types whose graphs are rewritten. By default only ``("cuda",)``,
@@ -67,10 +65,8 @@ def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | 
         ...
         print(fusion_pass.report())
     """
-    global _installed
     check_torch_version()
     config = fusion_config.FusionConfig.make(devices, families)
-    _installed = True
     for hook in _HOOKS:
         setattr(inductor_config, hook, _compose(hook, getattr(inductor_config, hook), config))
 
@@ -78,16 +74,15 @@ def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | 
 def uninstall() -> None:
     """Take our passes out of Inductor's hooks, leaving the user's passes in them (those there
     before ``install()`` and those set since); a no-op if not installed."""
-    global _installed
-    if not _installed:
-        return
     for hook in _HOOKS:
-        setattr(inductor_config, hook, _without_ours(getattr(inductor_config, hook)))
-    _installed = False
+        current = getattr(inductor_config, hook)
+        if any(is_ours(p) for p in graph_passes(current)):
+            setattr(inductor_config, hook, _without_ours(current))
 
 
 def installed() -> bool:
-    return _installed
+    """True when our passes are in Inductor's hooks as this thread sees them (see ``install``)."""
+    return any(is_ours(p) for hook in _HOOKS for p in graph_passes(getattr(inductor_config, hook)))
 
 
 def options(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None

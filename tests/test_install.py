@@ -82,6 +82,47 @@ def test_uninstall_keeps_a_pass_the_user_set_after_install():
         inductor_config.post_grad_custom_pre_pass = None
 
 
+def test_installed_is_true_to_what_a_compile_in_each_thread_gets():
+    """torch 2.13 keeps Inductor's configuration per thread: install() in one thread must not
+    claim to cover a compile in another (issue 18 item 5). In every thread, installed() says
+    whether that thread's compiles run the pass, and install() there makes them run it."""
+    import threading
+
+    from qwen3_style import Qwen3StylePrologue, make_inputs
+
+    model = Qwen3StylePrologue().to(torch.bfloat16)
+    fusion_pass.install(devices=("cpu",))
+    seen = {}
+
+    def compile_in_this_thread(tag, install_here):
+        torch._dynamo.reset()
+        if install_here:
+            fusion_pass.install(devices=("cpu",))
+        fusion_pass.reset_report()
+        with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
+            torch.compile(model)(*make_inputs())
+        seen[tag] = (fusion_pass.installed(), fusion_pass.match_counts().get("qk_norm_rope_cache", 0))
+        fusion_pass.uninstall()
+
+    for tag, install_here in (("worker", False), ("worker that installs", True)):
+        worker = threading.Thread(target=compile_in_this_thread, args=(tag, install_here))
+        worker.start()
+        worker.join()
+    installed_there, fused_there = seen["worker"]
+    assert installed_there == (fused_there == 1), seen
+    assert seen["worker that installs"] == (True, 1), seen
+    assert fusion_pass.installed()  # the main thread's install is untouched by the workers'
+
+
+def test_install_inside_a_config_patch_ends_with_it():
+    with inductor_config.patch(post_grad_custom_pre_pass=None, joint_custom_post_pass=None):
+        fusion_pass.install(devices=("cpu",))
+        assert fusion_pass.installed()
+    # The patch restored both hooks: nothing of ours is left, and installed() must say so.
+    assert inductor_config.post_grad_custom_pre_pass is None and inductor_config.joint_custom_post_pass is None
+    assert not fusion_pass.installed()
+
+
 def test_options_leave_the_global_hooks_alone():
     before = [getattr(inductor_config, h) for h in HOOKS]
     options = fusion_pass.options(devices=("cpu",))
