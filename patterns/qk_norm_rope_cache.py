@@ -542,6 +542,33 @@ def _val(match: Match, name: str):
     return node.meta["val"] if isinstance(node, torch.fx.Node) else node
 
 
+#: Ops whose result shares its input's memory (the region's inputs reach the kernel as views).
+_VIEW_OPS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+                       aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
+                       aten.squeeze.dim, aten.expand.default, aten.alias.default, aten.as_strided.default))
+
+
+def _memory_root(node):
+    """The node whose memory ``node`` views (itself when it is not a view)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def _aliasing_reason(match: Match) -> str | None:
+    """Why the kernel cannot run this region in place, if it aliases itself: one launch reads q,
+    k, v while other programs write the cache rows, and writes both caches at once."""
+    k_cache, v_cache = match.kwargs["k_cache"], match.kwargs["v_cache"]
+    # One tensor as both caches: functionalization chains the second write on the first's result.
+    if k_cache in match.nodes or v_cache in match.nodes or _memory_root(k_cache) is _memory_root(v_cache):
+        return "k_cache and v_cache are the same tensor (left unfused: one launch would write it twice)"
+    caches = {_memory_root(k_cache), _memory_root(v_cache)}
+    for name in ("q", "k", "v"):
+        if _memory_root(match.kwargs[name]) in caches:
+            return f"{name} is a view of a cache the region writes (left unfused: the launch would read rows it overwrites)"
+    return None
+
+
 def _check(match: Match, variant: Variant) -> bool:
     """Accept a match only when the fused op computes exactly what the graph computed.
 
@@ -563,11 +590,13 @@ def _check(match: Match, variant: Variant) -> bool:
         return False  # cos/sin that vary over heads: not RoPE as the op applies it
     q, k, v = _op_layout(variant, q, k, v)
     check = check_qk_norm_rope_paged_cache_args if variant.paged else check_qk_norm_rope_cache_args
+    reason = _aliasing_reason(match)
     try:
-        check(q, k, v, _val(match, "q_weight"), _val(match, "k_weight"), cos, sin,
-              _val(match, "k_cache"), _val(match, "v_cache"), _val(match, "cache_position"), variant.norm_form.style,
-              cos.shape[-1] if variant.partial_rope else None, variant.interleaved)
-        reason = unsupported_reason(q.shape[-1], q.dtype)
+        if reason is None:
+            check(q, k, v, _val(match, "q_weight"), _val(match, "k_weight"), cos, sin, _val(match, "k_cache"),
+                  _val(match, "v_cache"), _val(match, "cache_position"), variant.norm_form.style,
+                  cos.shape[-1] if variant.partial_rope else None, variant.interleaved)
+            reason = unsupported_reason(q.shape[-1], q.dtype)
     except ValueError as error:
         reason = re.sub(r"^fusion_pass\.qk_norm_rope_(paged_)?cache: ", "", str(error))
     if reason is not None:

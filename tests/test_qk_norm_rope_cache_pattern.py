@@ -149,6 +149,62 @@ def test_norm_rope_without_cache_write_is_a_reported_near_miss():
     assert "without a matching K/V cache write" in fusion_pass.report()
 
 
+def test_one_tensor_as_both_caches_is_a_near_miss_and_compiles():
+    """``k_cache is v_cache`` (issue 18 item 3): functionalization chains the v write on the k
+    write's result; fusing both into one launch made a cycle (InductorError). Left unfused,
+    reported, and as eager computes it."""
+    model = Qwen3StylePrologue().to(torch.bfloat16)
+    hidden, cos, sin, cache, _, position = make_inputs()
+    cache_ref = cache.clone()
+    with torch.no_grad():
+        q_ref, _ = model(hidden, cos, sin, cache_ref, cache_ref, position)
+    compiled, _ = compile_forward(model)
+    with torch.no_grad():
+        q_out, _ = compiled(hidden, cos, sin, cache, cache, position)
+    assert fused_count() == 0
+    assert "k_cache and v_cache are the same tensor" in fusion_pass.report()
+    torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+    torch.testing.assert_close(cache, cache_ref, **UNFUSED_TOL)
+
+
+class _ReadsRowsOfItsCache(torch.nn.Module):
+    """k and v are rows of the caches they are written into, as a cache re-rotation would take them."""
+
+    def __init__(self, head_dim=16):
+        super().__init__()
+        from fusion_pass.demo import RMSNorm
+
+        self.q_norm, self.k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
+
+    def forward(self, q, k_cache, v_cache, cos, sin, position):
+        from fusion_pass.demo import apply_rotary_pos_emb
+
+        seq = q.shape[2]
+        k, v = k_cache[:, :, 3:3 + seq], v_cache[:, :, 3:3 + seq]
+        q, k = apply_rotary_pos_emb(self.q_norm(q), self.k_norm(k), cos, sin)
+        k_cache.index_copy_(2, position, k)
+        v_cache.index_copy_(2, position, v)
+        return q, k
+
+
+def test_k_as_a_view_of_its_own_cache_is_a_near_miss():
+    """k read from the cache rows the launch overwrites (issue 18 item 3): one launch would read
+    rows other programs already wrote. Left unfused, reported, and as eager computes it."""
+    model = _ReadsRowsOfItsCache().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 16, generator=g).to(torch.bfloat16)
+    caches = [torch.randn(2, 2, 16, 16, generator=g).to(torch.bfloat16) for _ in range(2)]
+    angles = torch.rand(2, 5, 8, generator=g) * 6.28
+    emb = torch.cat((angles, angles), -1)
+    inputs = (q, *caches, emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16), torch.arange(5, 10))
+    (q_ref, k_ref), ref_inputs = reference(model, inputs)
+    (q_out, k_out), _ = run_compiled(model, inputs)
+    assert fused_count() == 0
+    assert "is a view of a cache the region writes" in fusion_pass.report()
+    torch.testing.assert_close(k_out, k_ref, **UNFUSED_TOL)
+    torch.testing.assert_close(inputs[1], ref_inputs[1], **UNFUSED_TOL)
+
+
 def test_fp32_model_is_a_reported_near_miss_with_its_reason():
     """fp32 traces the norm without casts, so the bf16/fp16 patterns cannot see it; the report
     still says why the prologue was left (once per norm: q and k), and nothing else."""
