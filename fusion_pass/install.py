@@ -2,8 +2,9 @@
 
 Forward (inference) fusions run from ``post_grad_custom_pre_pass``: the functional post-grad
 graph, before Inductor's own pattern passes and re-inplacing. Training fusions run from
-``joint_custom_post_pass``: only the joint graph can change gradient formulas (the reason
-PyTorch's own SDPA fusion matches there), and forward-only graphs pass through it too.
+``joint_custom_pre_pass``: only the joint graph can change gradient formulas (the reason
+PyTorch's own SDPA fusion matches there), before Inductor's joint-graph patterns (``pad_mm``
+would pad the projection matmuls first); forward-only graphs pass through it too.
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ from . import config as fusion_config
 from .versions import check_torch_version
 from .passes import FusionGraphPass, graph_passes, is_ours
 
+#: Inductor's hook for each stage. Training runs in the pre-pass: Inductor's own joint-graph
+#: patterns that follow (``pad_mm`` pads the projection matmuls whose sizes are not multiples of
+#: 8, whenever its benchmark says so) would otherwise hide the region from the patterns.
+FORWARD_HOOK = "post_grad_custom_pre_pass"
+TRAINING_HOOK = "joint_custom_pre_pass"
 _HOOKS = {
-    "post_grad_custom_pre_pass": ("post_grad", fusion_config.FORWARD_FAMILIES),
-    "joint_custom_post_pass": ("joint", fusion_config.TRAINING_FAMILIES),
+    FORWARD_HOOK: ("post_grad", fusion_config.FORWARD_FAMILIES),
+    TRAINING_HOOK: ("joint", fusion_config.TRAINING_FAMILIES),
 }
 
 def _without_ours(hook_value: Any) -> Any:
@@ -96,7 +102,7 @@ def options(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | 
         devices, families: as for ``install`` (which also says what torch versions it accepts).
 
     Returns:
-        ``{"post_grad_custom_pre_pass": ..., "joint_custom_post_pass": ...}``
+        ``{"post_grad_custom_pre_pass": ..., "joint_custom_pre_pass": ...}``
     """
     check_torch_version()
     config = fusion_config.FusionConfig.make(devices, families)

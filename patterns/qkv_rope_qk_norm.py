@@ -1,6 +1,6 @@
 """QKV projection -> RoPE -> per-head RMSNorm, forward and backward as two custom ops.
 
-Matched in the joint (forward + backward) graph, from ``joint_custom_post_pass``: only there can
+Matched in the joint (forward + backward) graph, from ``joint_custom_pre_pass``: only there can
 the gradient formulas change. ``no_grad`` graphs pass through the same hook but are left alone:
 the replacement's forward is the region's own computation, so there is nothing to gain there.
 
@@ -63,6 +63,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
@@ -567,3 +568,11 @@ def register(pass_dict: PatternMatcherPass) -> None:
             exclusive_arg_names=tensor_names,
             search_fn_pattern=pattern,
         )
+
+
+def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:
+    """Match in the joint graph as ``joint_custom_pre_pass`` gets it: first drop the no-op views
+    and copies, which Inductor drops right after this hook (``remove_noop_ops``) and which the
+    traced patterns do not have."""
+    remove_noop_ops(graph)
+    return pass_dict.apply(graph)

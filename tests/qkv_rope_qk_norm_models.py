@@ -228,16 +228,17 @@ class RegionCapture(CapturingPass):
 
 def joint_pass_backend(capture: CapturingPass | None = None):
     """A torch.compile backend: AOT autograd with Inductor's decompositions and partitioner, and
-    Inductor's joint-graph passes (where ``joint_custom_post_pass`` runs), then eager execution of
+    Inductor's joint-graph passes (where the training hook runs), then eager execution of
     the resulting graphs. ``capture`` wraps the installed joint pass to snapshot each graph."""
     import torch._inductor.config as inductor_config
+    from fusion_pass.install import TRAINING_HOOK
 
     def run_joint_passes(gm: torch.fx.GraphModule) -> None:
-        hook = inductor_config.joint_custom_post_pass
+        hook = getattr(inductor_config, TRAINING_HOOK)
         if capture is not None:
             capture.inner = hook
             hook = capture
-        with inductor_config.patch(joint_custom_post_pass=hook):
+        with inductor_config.patch(**{TRAINING_HOOK: hook}):
             joint_graph_passes(gm)
 
     def partition(gm, joint_inputs, **kwargs):

@@ -8,9 +8,10 @@ from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fusion_pass
+from fusion_pass.install import FORWARD_HOOK, TRAINING_HOOK
 from fusion_pass.passes import FusionGraphPass
 
-HOOKS = ("post_grad_custom_pre_pass", "joint_custom_post_pass")
+HOOKS = (FORWARD_HOOK, TRAINING_HOOK)
 
 
 class UserPass(CustomGraphPass):
@@ -30,7 +31,7 @@ def test_install_keeps_the_users_pass_and_uninstall_restores_it():
         fusion_pass.install(devices=("cpu",))
         installed = inductor_config.post_grad_custom_pre_pass
         assert isinstance(installed, FusionGraphPass) and installed.previous is user
-        assert isinstance(inductor_config.joint_custom_post_pass, FusionGraphPass)
+        assert isinstance(getattr(inductor_config, TRAINING_HOOK), FusionGraphPass)
         fusion_pass.install(devices=("cpu", "cuda"))  # re-install: replaced, never stacked
         assert inductor_config.post_grad_custom_pre_pass.previous is user
         assert fusion_pass.installed()
@@ -40,7 +41,7 @@ def test_install_keeps_the_users_pass_and_uninstall_restores_it():
 
         fusion_pass.uninstall()
         assert inductor_config.post_grad_custom_pre_pass is user
-        assert inductor_config.joint_custom_post_pass is None
+        assert getattr(inductor_config, TRAINING_HOOK) is None
         assert not fusion_pass.installed()
         fusion_pass.uninstall()  # a no-op when not installed
 
@@ -75,7 +76,7 @@ def test_a_list_of_user_passes_and_an_inference_aware_one_run_after_ours():
 def test_uninstall_keeps_a_pass_the_user_set_after_install():
     fusion_pass.install(devices=("cpu",))
     later = UserPass()
-    with inductor_config.patch(joint_custom_post_pass=None):
+    with inductor_config.patch(**{TRAINING_HOOK: None}):
         inductor_config.post_grad_custom_pre_pass = [inductor_config.post_grad_custom_pre_pass, later]
         fusion_pass.uninstall()
         assert inductor_config.post_grad_custom_pre_pass == [later]
@@ -115,11 +116,11 @@ def test_installed_is_true_to_what_a_compile_in_each_thread_gets():
 
 
 def test_install_inside_a_config_patch_ends_with_it():
-    with inductor_config.patch(post_grad_custom_pre_pass=None, joint_custom_post_pass=None):
+    with inductor_config.patch(**{FORWARD_HOOK: None, TRAINING_HOOK: None}):
         fusion_pass.install(devices=("cpu",))
         assert fusion_pass.installed()
     # The patch restored both hooks: nothing of ours is left, and installed() must say so.
-    assert inductor_config.post_grad_custom_pre_pass is None and inductor_config.joint_custom_post_pass is None
+    assert inductor_config.post_grad_custom_pre_pass is None and getattr(inductor_config, TRAINING_HOOK) is None
     assert not fusion_pass.installed()
 
 

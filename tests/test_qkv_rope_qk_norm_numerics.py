@@ -354,6 +354,29 @@ def test_fused_qkv_block_bf16_with_inductor():
     assert max(errors.values()) < GRAD_TOLERANCE[torch.bfloat16], sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
+def test_training_fusion_survives_inductors_matmul_padding(monkeypatch):
+    """Inductor's ``pad_mm`` pads projection matmuls whose sizes are not multiples of 8 whenever
+    its benchmark says so (on CUDA; forced here on CPU). Padded, the region no longer matched and
+    nothing was reported (issue 18 item 1): the training fusion now runs before those passes."""
+    import torch._inductor.fx_passes.pad_mm as pad_mm
+
+    monkeypatch.setattr(pad_mm, "check_device", lambda a, b: True)  # pad as on CUDA
+    monkeypatch.setattr(pad_mm, "has_triton", lambda: True)
+    torch.manual_seed(0)
+    model = FusedQKVAttention(hidden=60, heads=4, kv_heads=2, head_dim=16)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 131, 60, requires_grad=True)  # M = 262 and K = 60: both padded
+    x_ref = x.detach().clone().requires_grad_()
+    cos, sin = rope_tables(131, head_dim=16, dtype=torch.float32)
+    with torch._inductor.config.patch(shape_padding=True, force_shape_pad=True):
+        fusion_pass.install(devices=("cpu",))
+        torch.compile(model)(x, cos, sin).float().pow(2).mean().backward()
+    reference(x_ref, cos, sin).float().pow(2).mean().backward()
+    assert fusion_pass.match_counts() == {FAMILY: 1}, fusion_pass.report()
+    errors = compare_grads(model, reference, [("x", x, x_ref)])
+    assert max(errors.values()) < GRAD_TOLERANCE[torch.float32], sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hunyuan_dense_v1_gradients_through_the_rewritten_joint_graph(dtype):
     """The HF model in fp32 and bf16 (eager attention, biases), through the rewritten joint graph."""

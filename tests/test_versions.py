@@ -11,9 +11,10 @@ import torch._inductor.config as inductor_config
 from torch.torch_version import TorchVersion
 
 import fusion_pass
+from fusion_pass.install import FORWARD_HOOK, TRAINING_HOOK
 from fusion_pass import versions
 
-HOOKS = ("post_grad_custom_pre_pass", "joint_custom_post_pass")
+HOOKS = (FORWARD_HOOK, TRAINING_HOOK)
 
 
 @pytest.mark.parametrize("too_old", ["2.10.0", "2.10.1+cu128", "2.9.0", "1.13.1"])
