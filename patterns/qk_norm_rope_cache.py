@@ -210,7 +210,7 @@ from typing import Callable
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch._inductor.fx_passes.post_grad import view_to_reshape
+from torch._inductor.fx_passes.post_grad import remove_assert_ops, view_to_reshape
 from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
@@ -674,7 +674,10 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
     end)`` so that one pattern covers both; the ones no fusion consumed are put back as they
     were, so an unmatched graph leaves this pass unchanged.
     """
-    drop_export_metadata_asserts(graph)
+    # torch.export puts an aten._assert_tensor_metadata on every .to(dtype) result: an extra user
+    # of the norm's intermediates, it hid every prologue of an exported program (AOTInductor).
+    # Inductor lowers them to nothing and erases them later in its post-grad passes anyway.
+    remove_assert_ops(graph)
     drop_batch_of_one_reshapes(graph)
     normalize_flat_cache_views(graph)
     rewrites = canonicalize_slice_writes(graph)
@@ -831,15 +834,6 @@ def _slice_write_parts(node: torch.fx.Node):
             return None
         bounds.append(bound)
     return cache, value, bounds[0], bounds[1]
-
-
-def drop_export_metadata_asserts(graph: torch.fx.Graph) -> None:
-    """Erase ``aten._assert_tensor_metadata`` nodes: ``torch.export`` puts one on the result of every
-    ``.to(dtype)`` (and on other values), and as an extra user of the norm's intermediates it
-    hides every prologue of an exported program (AOTInductor) from the patterns. Inductor lowers
-    the op to nothing and erases it itself later in its post-grad passes (``remove_assert_ops``)."""
-    for node in graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default):
-        graph.erase_node(node)
 
 
 def canonicalize_slice_writes(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
