@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._inductor.config as inductor_config
 from torch._inductor import custom_graph_pass
@@ -46,20 +47,40 @@ def test_install_keeps_the_users_pass_and_uninstall_restores_it():
         fusion_pass.uninstall()  # a no-op when not installed
 
 
-class InferenceAwareUserPass(custom_graph_pass.CustomInferenceAwareGraphPass):
+#: torch 2.13's post-grad pass that Inductor hands ``is_inference`` (torch 2.11 has none).
+INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+
+
+class InferenceAwareUserPass(INFERENCE_AWARE or CustomGraphPass):
     def __init__(self):
         self.seen = []
 
-    def __call__(self, graph, is_inference):
+    def __call__(self, graph, is_inference=None):
         self.seen.append(is_inference)
 
     def uuid(self):
         return "inference-aware-user-pass-v1"
 
 
-def test_a_list_of_user_passes_and_an_inference_aware_one_run_after_ours():
-    """Inductor accepts a list of passes in a hook, and passes ``is_inference`` to an
-    inference-aware one: both keep working after ``install()`` (issue 18 item 6)."""
+def test_a_list_of_user_passes_runs_after_ours():
+    """Inductor accepts a list of passes in a hook: each keeps running after ``install()``, in
+    order, and ``uninstall()`` puts the list back (issue 18 item 6)."""
+    first, second = UserPass(), UserPass()
+    with inductor_config.patch(post_grad_custom_pre_pass=[first, second], force_disable_caches=True):
+        fusion_pass.install(devices=("cpu",))
+        ours = inductor_config.post_grad_custom_pre_pass
+        assert isinstance(ours, FusionGraphPass) and ours.previous == [first, second]
+        with torch.no_grad():
+            torch.compile(lambda x: x * 2)(torch.randn(4))
+        assert first.calls == 1 and second.calls == 1
+        fusion_pass.uninstall()
+        assert inductor_config.post_grad_custom_pre_pass == [first, second]
+
+
+@pytest.mark.skipif(INFERENCE_AWARE is None, reason="this torch has no CustomInferenceAwareGraphPass")
+def test_an_inference_aware_user_pass_gets_is_inference_after_ours():
+    """Inductor passes ``is_inference`` to an inference-aware post-grad pass; ours hands it on
+    (issue 18 item 6)."""
     first, aware = UserPass(), InferenceAwareUserPass()
     with inductor_config.patch(post_grad_custom_pre_pass=[first, aware], force_disable_caches=True):
         fusion_pass.install(devices=("cpu",))
