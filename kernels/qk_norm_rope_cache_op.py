@@ -140,6 +140,20 @@ def check_qk_norm_rope_cache_args(
             fail(name, f"q's device {q.device}", t.device)
 
 
+def check_positions_in_cache(positions: torch.Tensor, rows: int, name: str) -> None:
+    """Raise ``IndexError``, as ``index_copy_`` does, for a position outside ``[-rows, rows)``.
+
+    For CPU tensors (reading them costs no device synchronization); on CUDA the kernel checks
+    them with a device assert, as ``index_copy_``'s CUDA kernel does.
+    """
+    if positions.device.type != "cpu" or positions.numel() == 0:
+        return
+    bad = (positions < -rows) | (positions >= rows)
+    if bad.any():
+        raise IndexError(f"fusion_pass.qk_norm_rope_cache: {name}: index {int(positions[bad][0])} is out of bounds "
+                         f"for a cache of {rows} rows (expected positions in [-{rows}, {rows}))")
+
+
 # Defined with torch.library.Library rather than torch.library.custom_op: the custom_op wrapper
 # costs ~40 us of host time per call for an op with mutated arguments (measured on the CPU CI
 # machine: 40.9 us vs 4.4 us for the same schema), which is paid by every layer of every step
@@ -202,8 +216,9 @@ def qk_norm_rope_cache(
         cos, sin: [B or 1, S, D] rotary tables in q's dtype (as the rotary module returns them).
         k_cache, v_cache: [B, Hkv, L, D] caches, updated in place at ``cache_position``.
         cache_position: [S] int64 cache rows to write. Negative positions count from the end
-            (Python indexing, like ``cache[:, :, pos] = x``); positions outside [-L, L) are
-            skipped, never written out of bounds (``index_copy_`` would raise instead).
+            (Python indexing, like ``cache[:, :, pos] = x``); a position outside [-L, L)
+            raises ``IndexError`` on CPU and fails a device assert on CUDA, as ``index_copy_``
+            does, before anything is written on CPU; nothing is ever written out of bounds.
         q_eps, k_eps: the two norms' epsilons.
         norm: the RMSNorm form, one of ``NORM_STYLES`` (default: Qwen3's
             ``weight * normed.to(dtype)``); both norms have the same form.
@@ -219,6 +234,7 @@ def qk_norm_rope_cache(
     """
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm,
                                   rotary_dim, interleaved)
+    check_positions_in_cache(cache_position, k_cache.shape[2], "cache_position")
     if triton_applicable(q):
         from .qk_norm_rope_cache_triton import qk_norm_rope_cache_triton
 
@@ -353,8 +369,9 @@ def qk_norm_rope_paged_cache(
         key_cache, value_cache: [num_blocks, block_size, Hkv, D] or [slots, Hkv, D], updated in
             place: token t's rows go to slot ``slot_mapping[t]`` of ``cache.view(-1, Hkv, D)``.
         slot_mapping: [T] int64 or int32 flat slot indices. Negative slots count from the end
-            (Python indexing, as ``cache.view(-1, Hkv, D)[slot_mapping] = k`` does); slots
-            outside [-slots, slots) are skipped.
+            (Python indexing, as ``cache.view(-1, Hkv, D)[slot_mapping] = k`` does); a slot
+            outside [-slots, slots) raises or asserts as an out-of-range ``cache_position`` of
+            ``qk_norm_rope_cache`` does.
 
     Returns:
         (q_rotated [1, Hq, T, D], k_rotated [1, Hkv, T, D]) with q's and k's strides.
@@ -367,6 +384,7 @@ def qk_norm_rope_paged_cache(
     k_rows, v_rows = check_qk_norm_rope_paged_cache_args(
         q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, norm, rotary_dim,
         interleaved)
+    check_positions_in_cache(slot_mapping, k_rows.shape[2], "slot_mapping")
     return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, q_eps, k_eps,
                               norm, rope_first, rotary_dim, interleaved)
 

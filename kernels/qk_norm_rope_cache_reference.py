@@ -151,7 +151,8 @@ def write_cache_rows_reference(cache: torch.Tensor, cache_position: torch.Tensor
     """``cache[:, :, cache_position[s]] = rows[:, :, s]``.
 
     Negative positions count from the end (Python indexing, as ``cache[:, :, pos] = x`` does);
-    positions outside [-L, L) are skipped. cache [B, H, L, D], cache_position [S] int64,
+    positions outside [-L, L) are skipped, as the kernel skips them where device asserts are off
+    (the op raises before it gets here). cache [B, H, L, D], cache_position [S] int64,
     rows [B, H, S, D].
     """
     length = cache.shape[2]

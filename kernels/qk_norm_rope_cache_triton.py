@@ -5,7 +5,7 @@ One launch does, for every (batch b, head h, token s)::
     q_out[b, h, s]  = rope(rms_norm(q[b, h, s], q_weight), cos[b, s], sin[b, s])
     k_out[b, h, s]  = rope(rms_norm(k[b, h, s], k_weight), cos[b, s], sin[b, s])
     k_cache[b, h, cache_position[s]] = k_out[b, h, s]      # negative positions count from the
-    v_cache[b, h, cache_position[s]] = v[b, h, s]          # end; outside [-L, L): skipped
+    v_cache[b, h, cache_position[s]] = v[b, h, s]          # end; outside [-L, L): device assert
 
 with Hugging Face's rounding (see ``qk_norm_rope_cache_reference.py``): statistics in fp32,
 the normalized row rounded to the model dtype, the weight product rounded, each RoPE product
@@ -54,8 +54,11 @@ enough bytes in flight with fully used 16-byte accesses, and nothing else.
 * Offsets: batch, head, token and cache-row indices are widened to int64 before they meet a
   stride, so a cache of [B, 8, 262144, 128] (2^31 elements at B = 8) is addressed correctly.
   A negative position is wrapped (``p + L``, Python indexing, as ``cache[:, :, pos] = k``
-  does); a cache row is written only where the wrapped position is in ``[0, L)`` (and the row offset of a
-  skipped position is clamped to 0 before it forms a pointer); head, token and (for
+  does); a position outside ``[0, L)`` after wrapping fails a device assert where the launch
+  compiles asserts in (the eager op; Inductor's ``assert_indirect_indexing``, as its own indirect
+  indexing does), and is skipped otherwise: a cache row is written only where the wrapped position
+  is in ``[0, L)`` (the row offset of a skipped position is clamped to 0 before it forms a
+  pointer); head, token and (for
   non-power-of-two D) feature tails are masked on every load and store.
 * head_dim: any even D (tested 2 ... 256, including 48 and 96). Power-of-two D/2 gives
   unmasked 16-byte accesses along D; other D pad the half to the next power of two and
@@ -480,7 +483,12 @@ def _qk_norm_rope_cache_kernel(
         positions = positions.to(tl.int64)
         # Python indexing, as ``cache[:, :, pos] = k`` does: a negative position counts from the end.
         positions = tl.where(positions < 0, positions + cache_len, positions)
-        position_ok = token_mask & (positions >= 0) & (positions < cache_len)
+        in_range = (positions >= 0) & (positions < cache_len)
+        # index_copy_ raises here, and Inductor asserts its own indirect indexing: a device assert,
+        # compiled in when the launch asks for asserts (Inductor's ``assert_indirect_indexing``, on
+        # by default; the eager op). Without them the row is skipped, never written out of bounds.
+        tl.device_assert(in_range | ~token_mask, "cache_position out of range [-L, L)")
+        position_ok = token_mask & in_range
         positions = tl.where(position_ok, positions, 0)  # no pointer is ever formed out of bounds
         kv_block = head_block - q_head_blocks
         if kv_block < kv_head_blocks:
@@ -772,6 +780,7 @@ def qk_norm_rope_cache_triton(
     rope_first: bool = False,
     rotary_dim: int | None = None,
     interleaved: bool = False,
+    check_positions: bool = True,
 ) -> None:
     """Fused per-head RMSNorm(q, k) -> RoPE -> K/V cache write, one kernel launch.
 
@@ -784,9 +793,12 @@ def qk_norm_rope_cache_triton(
         cos, sin: [Bc, S, R] with Bc in {1, B}, rows contiguous; R = rotary_dim.
         k_cache, v_cache: [B, Hkv, L, D], written in place at ``cache_position``.
         cache_position: [S] int64 or int32; negative positions count from the end (Python
-            indexing); positions outside [-L, L) are skipped.
+            indexing); a position outside [-L, L) fails a device assert (as ``index_copy_``
+            does) when ``check_positions``, and is skipped otherwise (never written out of bounds).
         q_eps, k_eps: the norms' epsilons.
         q_out, k_out: outputs shaped like q and k (any strides, ``stride(-1) == 1``).
+        check_positions: compile the launch with device asserts (Triton's ``debug``, without its
+            integer-overflow checks, as Inductor compiles kernels). The interpreter skips asserts.
         tokens_per_program, heads_per_program, num_warps: tuning overrides (powers of two);
             default ``launch_config``'s rule.
         norm: the RMSNorm form, one of ``NORM_STYLES`` (the kernel's ``NORM_STYLE`` constexpr).
@@ -804,7 +816,7 @@ def qk_norm_rope_cache_triton(
         q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
         norm=norm, rope_first=rope_first, rotary_dim=rotary_dim, interleaved=interleaved,
         tokens_per_program=tokens_per_program, heads_per_program=heads_per_program, num_warps=num_warps,
-    ).run()
+    ).run(device_asserts=check_positions)
 
 
 def qk_norm_rope_cache_from_positions_triton(
@@ -827,6 +839,7 @@ def qk_norm_rope_cache_from_positions_triton(
     tokens_per_program: int | None = None,
     heads_per_program: int | None = None,
     num_warps: int | None = None,
+    check_positions: bool = True,
 ) -> None:
     """As ``qk_norm_rope_cache_triton``, with cos/sin computed in the kernel (Hugging Face rotary).
 
@@ -855,7 +868,7 @@ def qk_norm_rope_cache_from_positions_triton(
         q, k, v, q_weight, k_weight, None, None, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
         position_ids=position_ids, inv_freq=inv_freq, attention_scaling=attention_scaling,
         tokens_per_program=tokens_per_program, heads_per_program=heads_per_program, num_warps=num_warps,
-    ).run()
+    ).run(device_asserts=check_positions)
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,9 +58,15 @@ class TritonCall:
     kwargs: dict[str, Any]
     num_warps: int
 
-    def run(self) -> None:
-        """Launch now (eager tensors; CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
-        self.kernel[tuple(self.grid)](**self.kwargs, num_warps=self.num_warps)
+    def run(self, device_asserts: bool = False) -> None:
+        """Launch now (eager tensors; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+
+        ``device_asserts``: compile the kernel's ``tl.device_assert`` checks in, as Inductor
+        compiles kernels by default (Triton's ``debug`` with ``assert_indirect_indexing``, and
+        without Triton's integer-overflow checks, which ``debug`` would also turn on).
+        """
+        options = dict(debug=True, sanitize_overflow=False) if device_asserts else {}
+        self.kernel[tuple(self.grid)](**self.kwargs, num_warps=self.num_warps, **options)
 
     def in_graph(self, written: Sequence[str]) -> dict[str, torch.Tensor]:
         """Record the launch as Inductor's functional Triton HOP (call while tracing a replacement).

@@ -10,9 +10,9 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_
 # The kernel tests' interpreter bound for fp16 (numpy sums the fp32 statistic in another order,
 # which can flip an fp16 rounding); bf16 is bit for bit.
 FP16_INTERPRETED_MAX_ULPS = 2.0
-# random_op_args' default positions [3, -1, 7, 20, 0] in 12 cache rows: (row, token) written
-# (-1 counts from the end), position 20 skipped.
-WRITTEN_ROWS = ((3, 0), (11, 1), (7, 2), (0, 4))
+# random_op_args' default positions [3, -1, 7, 5, 0] in 12 cache rows: (row, token) written
+# (-1 counts from the end).
+WRITTEN_ROWS = ((3, 0), (11, 1), (7, 2), (5, 3), (0, 4))
 CACHE_ROWS = 12
 
 
@@ -20,8 +20,7 @@ def random_op_args(dtype=torch.bfloat16, head_dim=64, table_width=None, norm="we
                    cache_position=None) -> dict:
     """Keyword arguments of the dense op: q [2, 4, 5, D], k/v [2, 2, 5, D] (transposed views of
     [B, S, H, D], as Hugging Face passes them), cos/sin [2, 5, table_width or D], caches
-    [2, 2, 12, D], and cache positions [3, -1, 7, 20, 0] by default (a negative one and one past
-    the cache). Norm weights around 1 (Gemma's ``fp32_one_plus_weight``: around 0, an offset from
+    [2, 2, 12, D], and cache positions [3, -1, 7, 5, 0] by default (a negative one). Norm weights around 1 (Gemma's ``fp32_one_plus_weight``: around 0, an offset from
     1), None for ``no_weight``; ``norm`` is passed on unless it is the default ``"weight"``."""
     g = torch.Generator().manual_seed(seed)
 
@@ -38,7 +37,7 @@ def random_op_args(dtype=torch.bfloat16, head_dim=64, table_width=None, norm="we
         k_weight=r(head_dim, scale=0.3) + offset if weighted else None,
         cos=r(2, 5, width), sin=r(2, 5, width),
         k_cache=r(2, 2, 12, head_dim), v_cache=r(2, 2, 12, head_dim),
-        cache_position=torch.tensor([3, -1, 7, 20, 0]) if cache_position is None else cache_position,
+        cache_position=torch.tensor([3, -1, 7, 5, 0]) if cache_position is None else cache_position,
         q_eps=1e-6, k_eps=1e-5,
     )
     if norm != "weight":

@@ -144,12 +144,14 @@ def variants() -> dict:
     out["forward_bf16_d128_norm_fp32_weight_f32_weights"] = (
         forward._qk_norm_rope_cache_kernel, dict(fwd_pointers, q_weight_ptr="*fp32", k_weight_ptr="*fp32"),
         dict(out["forward_bf16_d128"][2], NORM_STYLE=1), fwd_floats, dict(num_warps=4))
-    # The kernels as Inductor's generated code defines them (compiled graphs launch these).
+    # The kernels as Inductor's generated code defines them (compiled graphs launch these), compiled
+    # as Inductor compiles them: device asserts in (``assert_indirect_indexing``), no overflow checks.
+    inductor_options = dict(num_warps=4, debug=True, sanitize_overflow=False)
     for name in ("forward_bf16_d128", "forward_bf16_d128_from_positions"):
         fn, pointers, constexprs, floats, options = out[name]
         # Inductor passes Python floats as fp64 scalars.
         out[f"{name}_as_inductor_emits_it"] = (inductor_source(fn), pointers, constexprs,
-                                               {f: "fp64" for f in floats}, options)
+                                               {f: "fp64" for f in floats}, inductor_options)
     # The in-graph kernel (what compiled graphs launch): Qwen3-8B decode geometry as constexprs,
     # unused pointers None.
     layout = dict(Q_HEADS=32, KV_HEADS=8, CACHE_LEN=2048, STRIDE_Q_H=128, STRIDE_Q_S=4096, STRIDE_K_H=128,
@@ -161,7 +163,7 @@ def variants() -> dict:
     fn, pointers, constexprs, floats, options = out["forward_bf16_d128"]
     out["forward_graph_bf16_d128"] = (inductor_source(forward._qk_norm_rope_cache_graph_kernel), pointers,
                                       dict(constexprs, **layout, position_ids_ptr=None, inv_freq_ptr=None), set(),
-                                      options)
+                                      inductor_options)
     # Inductor's mutation analysis traces user kernels with their float arguments as Python constants.
     fn, pointers, constexprs, floats, options = out["forward_bf16_d128_as_inductor_emits_it"]
     out["forward_bf16_d128_floats_as_constants"] = (

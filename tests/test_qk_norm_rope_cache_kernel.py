@@ -15,6 +15,8 @@ elements; the GPU bound stays at 3 until the tests themselves report their maxim
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import torch
@@ -180,19 +182,36 @@ def test_decode_one_token_batched():
                             positions=[15]))
 
 
-def test_out_of_range_positions_are_skipped_and_negative_ones_count_from_the_end():
+def test_without_asserts_out_of_range_positions_are_skipped_and_negative_ones_count_from_the_end():
+    """Device asserts off (Inductor's ``assert_indirect_indexing=False``): never a write out of bounds."""
     length = 16
     # -5 writes row 11 (Python indexing, as ``cache[:, :, pos] = k``); outside [-L, L) is skipped.
     positions = [3, -5, length, 0, -length - 1, length + 100, 2**40, -(2**40), length - 1]
     case = make_case(seq=len(positions), cache_len=length, positions=positions, cos_batch=2, seed=3)
-    run_and_check(case)
+    run_and_check(case, check_positions=False)
 
 
-def test_all_positions_out_of_range_leaves_caches_untouched():
+def test_without_asserts_all_positions_out_of_range_leave_caches_untouched():
     case = make_case(seq=4, cache_len=8, positions=[8, 9, -9, -20], seed=4)
-    q_out, k_out, k_before, v_before = run_kernel(case)
+    q_out, k_out, k_before, v_before = run_kernel(case, check_positions=False)
     assert torch.equal(case["k_cache"], k_before) and torch.equal(case["v_cache"], v_before)
     check_against_reference(case, q_out, k_out, k_before, v_before)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's assert (CUDA: test_gpu_out_of_range_position_asserts)")
+def test_an_out_of_range_position_fails_the_device_assert_where_asserts_are_compiled_in(monkeypatch):
+    """The interpreter compiles asserts out unless Triton's ``debug`` option is on; with it on,
+    as a CUDA launch with ``check_positions`` and Inductor's launches have it, the kernel stops."""
+    from triton.runtime import interpreter
+    from triton.runtime.errors import InterpreterError
+
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    run_and_check(make_case(seq=4, cache_len=8, positions=[1, -8, 2, 7], seed=6))  # in range: no assert
+    for bad in (8, -9):
+        case = make_case(seq=4, cache_len=8, positions=[1, bad, 2, 3], seed=6)
+        with pytest.raises(InterpreterError, match=r"cache_position out of range"):
+            run_kernel(case)
 
 
 def test_int32_cache_position():
@@ -409,7 +428,7 @@ def test_gpu_cache_offsets_past_int32():
     """[9, 8, 262144, 128] bf16 caches: the last rows sit past element 2^31 (B = 8 ends exactly at it)."""
     batch, kv_heads, length, head_dim = 9, 8, 262144, 128
     dtype = torch.bfloat16
-    positions = torch.tensor([length - 1, length - 3, 0, length], device=DEVICE)  # the last one is skipped
+    positions = torch.tensor([length - 1, length - 3, 0, length], device=DEVICE)  # the last one: skipped
     seq = positions.numel()
     g = torch.Generator(device=DEVICE).manual_seed(13)
     q = torch.randn(batch, seq, 16, head_dim, device=DEVICE, generator=g).to(dtype).transpose(1, 2)
@@ -422,7 +441,7 @@ def test_gpu_cache_offsets_past_int32():
     cos, sin = kernel.rope_cos_sin_reference(positions.clamp(max=length - 1)[None], inv_freq_for(head_dim), 1.0, dtype)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     kernel.qk_norm_rope_cache_triton(q, k, v, weights[0], weights[1], cos, sin, k_cache, v_cache, positions,
-                                     EPS_Q, EPS_K, q_out, k_out)
+                                     EPS_Q, EPS_K, q_out, k_out, check_positions=False)
     q_ref, k_ref = qk_norm_rope_cache_reference(
         q, k, v, weights[0], weights[1], cos, sin, k_cache[:, :, :1].clone(), v_cache[:, :, :1].clone(),
         torch.full_like(positions, -1), EPS_Q, EPS_K)

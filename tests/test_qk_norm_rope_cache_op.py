@@ -1,5 +1,5 @@
 """The custom op's contract: argument checks that name the argument, the cache semantics
-(positions outside the cache are skipped, never written out of bounds), eager layouts."""
+(a position outside the cache raises, as ``index_copy_`` does), eager layouts."""
 
 from __future__ import annotations
 
@@ -40,17 +40,31 @@ def test_matches_reference_and_keeps_eager_layout():
     assert torch.equal(args["k_cache"], ref["k_cache"]) and torch.equal(args["v_cache"], ref["v_cache"])
 
 
-def test_negative_positions_count_from_the_end_and_outside_ones_are_skipped():
+def test_negative_positions_count_from_the_end():
     args = make_args(seq=5, cache_len=6)
-    args["cache_position"] = torch.tensor([5, 6, -2, 0, -7])  # 6 and -7 are outside [-6, 6)
+    args["cache_position"] = torch.tensor([5, 1, -2, -6, 3])  # -2 is row 4, -6 row 0 of 6
     before_k, before_v = args["k_cache"].clone(), args["v_cache"].clone()
     q_out, k_out = op(**args)
-    for pos, s in ((5, 0), (4, 2), (0, 3)):
+    for pos, s in ((5, 0), (1, 1), (4, 2), (0, 3), (3, 4)):
         assert torch.equal(args["k_cache"][:, :, pos], k_out[:, :, s])
         assert torch.equal(args["v_cache"][:, :, pos], args["v"][:, :, s])
-    untouched = [1, 2, 3]
+    untouched = [2]
     assert torch.equal(args["k_cache"][:, :, untouched], before_k[:, :, untouched])
     assert torch.equal(args["v_cache"][:, :, untouched], before_v[:, :, untouched])
+
+
+@pytest.mark.parametrize("bad", [6, -7, 2**40])
+def test_a_position_outside_the_cache_raises_like_index_copy_before_any_write(bad):
+    """Eager ``index_copy_`` raises ``IndexError``; a silent skip would hide a serving bug that
+    then attends over a stale row (issue 18 item 2). Nothing is written first."""
+    args = make_args(seq=5, cache_len=6)
+    args["cache_position"] = torch.tensor([5, bad, -2, 0, 1])
+    before_k, before_v = args["k_cache"].clone(), args["v_cache"].clone()
+    with pytest.raises(IndexError, match=rf"cache_position: index {bad} is out of bounds for a cache of 6 rows"):
+        op(**args)
+    with pytest.raises(IndexError):
+        args["k_cache"].index_copy_(2, torch.tensor([bad]), args["k"][:, :, :1])
+    assert torch.equal(args["k_cache"], before_k) and torch.equal(args["v_cache"], before_v)
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,8 @@ Compiles are the cost (seconds each on a CI core), so each test compiles one fun
 lets Dynamo's dynamic shapes serve the drawn sizes: a new graph only for a new dtype, head
 geometry, layout or a size of 1 (Dynamo specializes 0/1).
 
-Out-of-range positions: eager ``cache[:, :, pos] = k`` raises, the fused op skips them (never
-writes outside the cache). The oracle for those runs eager on the cache extended by the
-missing rows, the out-of-range rows then lying in the extension, and compares the original
-part: the rows the op must leave alone.
+Out-of-range positions: eager ``cache[:, :, pos] = k`` raises ``IndexError``, and so does the
+compiled fused region (CPU graphs call the op), before it writes anything.
 """
 
 from __future__ import annotations
@@ -98,33 +96,31 @@ def mark_dynamic(*dims):
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
-def positions_with_skips(rows, count, g, negatives, out_of_range):
-    """``count`` distinct rows of ``rows``, some spelled negative (Python indexing), some
-    replaced by out-of-range positions. Returns (positions, the same rows as non-negative
-    indices into a cache extended by ``count`` rows, mask of in-range tokens)."""
-    chosen = torch.randperm(rows, generator=g)[:count]
-    positions = chosen.clone()
+def drawn_positions(rows, count, g, negatives, out_of_range):
+    """``count`` distinct rows of ``rows``, some spelled negative (Python indexing), the last
+    ``out_of_range`` replaced by positions outside ``[-rows, rows)``."""
+    positions = torch.randperm(rows, generator=g)[:count]
     positions[:negatives] -= rows  # the same rows, counted from the end
-    in_range = torch.ones(count, dtype=torch.bool)
-    extended = chosen.clone()
     for i in range(count - out_of_range, count):
         positions[i] = rows + i if i % 2 else -rows - 1 - i
-        extended[i] = rows + i  # a row of the extension, which the check ignores
-        in_range[i] = False
-    return positions, extended, in_range
+    return positions
 
 
-def eager_oracle(fn, inputs, cache_dim, rows, extra, extended_positions):
-    """Eager ``fn`` on copies whose caches have ``extra`` zero rows appended along ``cache_dim``,
-    writing at ``extended_positions``; returns (outputs, both caches cut back to ``rows``)."""
-    k_cache, v_cache = inputs[7], inputs[8]
-    grow = [0] * (2 * k_cache.dim())
-    grow[2 * (k_cache.dim() - 1 - cache_dim) + 1] = extra
-    k_ext, v_ext = (torch.nn.functional.pad(c, grow) for c in (k_cache, v_cache))
-    args = [t.clone() for t in inputs[:7]] + [k_ext, v_ext, extended_positions]
+def eager_oracle(fn, inputs):
+    """Eager ``fn`` on copies of the inputs: (outputs, its two caches)."""
+    args = [t.clone() for t in inputs]
     with torch.no_grad():
         out = fn(*args)
-    return out, k_ext.narrow(cache_dim, 0, rows), v_ext.narrow(cache_dim, 0, rows)
+    return out, args[7], args[8]
+
+
+def assert_raises_like_eager_and_writes_nothing(compiled, eager_fn, inputs):
+    with pytest.raises(IndexError), torch.no_grad():
+        eager_fn(*[t.clone() for t in inputs])
+    before = inputs[7].clone(), inputs[8].clone()
+    with pytest.raises(IndexError, match="out of bounds"):
+        compiled(*inputs)
+    assert torch.equal(inputs[7], before[0]) and torch.equal(inputs[8], before[1])
 
 
 def assert_untouched_rows(cache, before, written_rows, dim):
@@ -158,18 +154,20 @@ def test_compiled_dense_cache_equals_eager(compiled_dense, dtype, batch, seq, ex
     cos, sin = rotary((1 if shared_cos else batch, seq, head_dim), dtype, g)
     k_cache, v_cache = (torch.randn(batch, kv_heads, cache_len, head_dim, generator=g).to(dtype) for _ in range(2))
     out_of_range = min(out_of_range, seq)
-    positions, extended, in_range = positions_with_skips(cache_len, seq, g, min(negatives, seq), out_of_range)
+    positions = drawn_positions(cache_len, seq, g, min(negatives, seq), out_of_range)
     inputs = [q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, positions]
-    extra = max(int(extended.max()) + 1 - cache_len, 0)
-    (q_ref, k_ref), k_want, v_want = eager_oracle(dense_prologue, inputs, 2, cache_len, extra, extended)
-    k_before, v_before = k_cache.clone(), v_cache.clone()
     mark_dynamic((q, 0), (q, 1), (k, 0), (k, 1), (v, 0), (v, 1), (cos, 1), (sin, 1), (k_cache, 2), (v_cache, 2),
                  (positions, 0))
-    q_out, k_out = compiled(*inputs)
-    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
-    for cache, before in ((k_cache, k_before), (v_cache, v_before)):
-        assert_untouched_rows(cache, before, extended[in_range], dim=2)
+    if out_of_range:
+        assert_raises_like_eager_and_writes_nothing(compiled, dense_prologue, inputs)
+    else:
+        (q_ref, k_ref), k_want, v_want = eager_oracle(dense_prologue, inputs)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        q_out, k_out = compiled(*inputs)
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+        assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+        for cache, before in ((k_cache, k_before), (v_cache, v_before)):
+            assert_untouched_rows(cache, before, positions % cache_len, dim=2)
     compiled.assert_every_graph_fused_once()
 
 
@@ -198,18 +196,19 @@ def test_compiled_paged_cache_equals_eager(compiled_paged, dtype, tokens, num_bl
     key_cache, value_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
                               for _ in range(2))
     out_of_range = min(out_of_range, tokens)
-    slot_mapping, extended, in_range = positions_with_skips(slots, tokens, g, min(negatives, tokens), out_of_range)
+    slot_mapping = drawn_positions(slots, tokens, g, min(negatives, tokens), out_of_range)
     inputs = [q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping]
-    # The oracle's extension: whole extra blocks along dim 0, so slot s stays block s // block_size.
-    extra_blocks = max(-(-(int(extended.max()) + 1) // block_size) - num_blocks, 0)
-    (q_ref, k_ref), k_want, v_want = eager_oracle(paged_prologue, inputs, 0, num_blocks, extra_blocks, extended)
-    before = key_cache.clone(), value_cache.clone()
     mark_dynamic((q, 0), (k, 0), (v, 0), (cos, 0), (sin, 0), (key_cache, 0), (value_cache, 0), (slot_mapping, 0))
-    q_out, k_out = compiled(*inputs)
-    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-    assert torch.equal(key_cache, k_want) and torch.equal(value_cache, v_want)
-    for cache, old in zip((key_cache, value_cache), before):
-        assert_untouched_rows(cache.view(slots, kv_heads, head_dim), old.view(slots, kv_heads, head_dim),
-                              extended[in_range], dim=0)
+    if out_of_range:
+        assert_raises_like_eager_and_writes_nothing(compiled, paged_prologue, inputs)
+    else:
+        (q_ref, k_ref), k_want, v_want = eager_oracle(paged_prologue, inputs)
+        before = key_cache.clone(), value_cache.clone()
+        q_out, k_out = compiled(*inputs)
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+        assert torch.equal(key_cache, k_want) and torch.equal(value_cache, v_want)
+        for cache, old in zip((key_cache, value_cache), before):
+            assert_untouched_rows(cache.view(slots, kv_heads, head_dim), old.view(slots, kv_heads, head_dim),
+                                  slot_mapping % slots, dim=0)
     compiled.assert_every_graph_fused_once()
 

@@ -166,26 +166,21 @@ def test_paged_op_rejects_a_cache_of_other_head_geometry_by_name():
                                                         torch.arange(3), 1e-6, 1e-6)
 
 
-def test_paged_op_out_of_range_slots_are_skipped_and_other_rows_untouched():
-    """The op never writes outside the cache (``index_put`` would raise instead)."""
-    from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_reference
-
+def test_paged_op_out_of_range_slot_raises_like_index_put_and_writes_nothing():
+    """``cache.view(-1, Hkv, D)[slots] = k`` raises ``IndexError`` for a slot past the cache;
+    so does the op, before it writes (issue 18 item 2)."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, h, 4, 16, generator=g).to(torch.bfloat16) for h in (4, 2, 2))
     w, cos, sin = (torch.randn(s, generator=g).to(torch.bfloat16) for s in ((16,), (1, 4, 16), (1, 4, 16)))
     key_cache, value_cache = (torch.randn(3, 4, 2, 16, generator=g).to(torch.bfloat16) for _ in range(2))
     before = key_cache.clone(), value_cache.clone()
-    slots = torch.tensor([2, 12, -13, 5])  # 12 slots: 12 and -13 are out of range
-    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_paged_cache(
-        q, k, v, w, w, cos, sin, key_cache, value_cache, slots, 1e-6, 1e-6)
-    scratch = torch.zeros(1, 2, 12, 16, dtype=q.dtype)
-    q_ref, k_ref = qk_norm_rope_cache_reference(q, k, v, w, w, cos, sin, scratch, scratch.clone(), slots, 1e-6, 1e-6)
-    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
-    for cache, old, rows in ((key_cache, before[0], k_ref), (value_cache, before[1], v)):
-        flat, old_flat = cache.view(-1, 2, 16), old.view(-1, 2, 16)
-        assert torch.equal(flat[2], rows[0, :, 0]) and torch.equal(flat[5], rows[0, :, 3])
-        untouched = [s for s in range(12) if s not in (2, 5)]
-        assert torch.equal(flat[untouched], old_flat[untouched])
+    for slots in (torch.tensor([2, 12, 3, 5]), torch.tensor([2, -13, 3, 5])):  # 12 slots
+        with pytest.raises(IndexError, match=r"slot_mapping: index -?1[23] is out of bounds for a cache of 12 rows"):
+            torch.ops.fusion_pass.qk_norm_rope_paged_cache(q, k, v, w, w, cos, sin, key_cache, value_cache, slots,
+                                                            1e-6, 1e-6)
+        with pytest.raises(IndexError):
+            key_cache.clone().view(-1, 2, 16)[slots] = k[0].transpose(0, 1)
+    assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
 
 
 # --- fused QKV projection and shared rotary tables ---------------------------------------------
