@@ -371,7 +371,7 @@ def test_property_random_shapes(batch, kv_heads, group, seq, head_dim, dtype, la
     case = make_case(batch=batch, q_heads=kv_heads * group, kv_heads=kv_heads, seq=seq, head_dim=head_dim,
                      cache_len=length, dtype=dtype, layout=layout, cos_batch=batch if per_batch_cos else 1,
                      positions=positions.tolist(), seed=seed)
-    run_and_check(case)
+    run_and_check(case, check_positions=not bad.numel())  # out-of-range ones: skipped with asserts off
 
 
 # ----------------------------------------------------------------------------------------
