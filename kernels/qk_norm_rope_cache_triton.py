@@ -692,9 +692,8 @@ def cache_kernel_call(
 
     ``in_graph`` (a launch recorded into a compiled graph): ``_qk_norm_rope_cache_graph_kernel``,
     whose head counts, cache length, eps and every stride that does not scale with B or S are
-    constexprs, when those are concrete here; otherwise (a symbolic one, an eps that is a SymFloat
-    read from a tensor, and eager calls, which should not compile a kernel per cache length)
-    ``_qk_norm_rope_cache_kernel``, all runtime arguments.
+    constexprs, when those are concrete here; otherwise (and for eager calls, which should not
+    compile a kernel per cache length) ``_qk_norm_rope_cache_kernel``, all runtime arguments.
     Unused pointers are None in both.
     """
     batch, q_heads, seq_len, head_dim = q.shape
@@ -722,9 +721,7 @@ def cache_kernel_call(
     per_batch_or_token = (seq_len, q_b, k_b, v_b, qo_b, ko_b, cos_strides[0], sin_strides[0], pos_strides[0])
     fixed = (q_heads, kv_heads, cache_len, q_h, q_s, k_h, k_s, v_h, v_s, qo_h, qo_s, ko_h, ko_s, *kc, *vc,
              cos_strides[1], sin_strides[1], pos_strides[1], cache_position.stride(0))
-    # An eps read from a tensor at run time (``dynamic=True`` lifts ``variance_epsilon`` into a
-    # graph input) is a SymFloat here: passed at launch, never specialized.
-    scalars = tuple(x if isinstance(x, torch.SymFloat) else float(x) for x in (q_eps, k_eps, attention_scaling))
+    scalars = (float(q_eps), float(k_eps), float(attention_scaling))
     constexprs = dict(
         HEAD_DIM=head_dim,
         HALF_BLOCK=config.half_block,
@@ -737,7 +734,7 @@ def cache_kernel_call(
         ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),
         INTERLEAVED=bool(interleaved),
     )
-    if in_graph and all(is_concrete_int(x) for x in fixed) and all(type(x) is float for x in scalars):
+    if in_graph and all(is_concrete_int(x) for x in fixed):
         kernel = _qk_norm_rope_cache_graph_kernel
         names = [n for n in kernel.arg_names if n.isupper()][:len(fixed) + len(scalars)]
         constexprs.update(zip(names, [int(x) for x in fixed] + list(scalars)))

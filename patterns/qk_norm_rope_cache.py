@@ -26,10 +26,7 @@ fused (CUDA: the Triton kernel itself is the node, ``kernels/triton_call.py``)::
                                            k_cache, v_cache, strides, sizes, constexprs},
                                            tensors_to_clone=[q_out, k_out, k_cache, v_cache])
 
-(``dynamic=True`` lifts eps into a 0-d CPU tensor: the wrapper reads it with ``.item()`` per call
-and passes it at launch.)
-
-fused (CPU graphs)::
+fused (CPU graphs, and ``dynamic=True``'s tensor eps)::
 
     q_rot, k_rot, k_cache', v_cache' = auto_functionalized(fusion_pass.qk_norm_rope_cache, ...)
 
@@ -482,9 +479,7 @@ def _fused(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_c
     # cache length may be symbolic. In models they are constants (projection widths), but a graph
     # input's head dims are symbolic under dynamic=True: such a graph keeps the op.
     static_geometry = all(isinstance(n, int) for n in (*q.shape[1:2], *k.shape[1:2], q.shape[-1], cos.shape[-1]))
-    if kernels_in_graph(q) and static_geometry:
-        if eps_tensor:  # a 0-d CPU tensor: read on the host at each call (a SymFloat in the trace)
-            q_eps, k_eps = (e.item() if isinstance(e, torch.Tensor) else e for e in (q_eps, k_eps))
+    if kernels_in_graph(q) and not eps_tensor and static_geometry:
         q_rot, k_rot, k_cache, v_cache = _kernel_in_graph(variant, q, k, v, q_weight, k_weight, cos, sin, k_cache,
                                                           v_cache, cache_position, q_eps, k_eps, kernel_args)
     else:
@@ -519,8 +514,8 @@ def _kernel_in_graph(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_
 
 def _op_call(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps,
              k_eps, kernel_args, eps_tensor: bool):
-    """CPU graphs: the in-place op, which runs the PyTorch reference (or the Triton kernel under
-    the interpreter); its ``_eps_tensor`` form where eps was lifted to a tensor."""
+    """CPU graphs (and eps lifted to a tensor): the in-place op, which runs the PyTorch
+    reference (or the Triton kernel under the interpreter)."""
     if eps_tensor:
         q_eps, k_eps = (e if isinstance(e, torch.Tensor) else torch.tensor(e, dtype=torch.float64)
                         for e in (q_eps, k_eps))

@@ -135,39 +135,6 @@ def test_forward_replacement_is_one_kernel_node_equal_to_the_op(name, kernels_in
         assert torch.equal(got, want)
 
 
-def test_forward_eps_lifted_to_a_tensor_is_read_per_call_and_passed_at_launch(kernels_in_cpu_graphs):
-    """``torch.compile(dynamic=True)`` lifts ``variance_epsilon`` into a 0-d CPU tensor: the
-    replacement still is the kernel node (no op), reading eps with ``.item()`` (a SymFloat, so
-    no guard on its value) and passing it at launch; run, it equals the op path."""
-    variant = FORWARD_VARIANTS["qwen3_bshd_dense"]
-    args = _forward_args(variant)
-    eps = [torch.tensor(1e-6, dtype=torch.float64), torch.tensor(2e-6, dtype=torch.float64)]
-
-    def replacement(*a):
-        return forward_pattern._fused(variant, *a)
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())  # static shapes; a ShapeEnv to hold the SymFloats
-    graph = make_fx(replacement, tracing_mode="fake")(*[mode.from_tensor(a, static_shapes=True)
-                                                        for a in (*args, *eps)])
-    hops = _hop_nodes(graph)
-    assert len(hops) == 1 and not _op_nodes(graph), graph.graph
-    launch = hops[0].kwargs["kwargs"]
-    assert all(isinstance(launch[n], torch.fx.Node) for n in ("q_eps", "k_eps")), launch
-    kernel = kernel_side_table.get_kernel(hops[0].kwargs["kernel_idx"]).fn
-    assert kernel.__name__ == "_qk_norm_rope_cache_kernel"  # eps is no constexpr of the graph entry
-    in_graph = graph(*[a.clone() for a in args], *eps)
-    patch = _without_kernels_in_graph()
-    try:
-        by_op = _fused(variant, *[a.clone() for a in args])
-    finally:
-        patch.undo()
-    for got, want in zip(in_graph, by_op):
-        assert torch.equal(got, want)
-
-
 def test_forward_symbolic_length_launch_has_no_guard_on_it():
     """With a symbolic S (``mark_dynamic`` / ``dynamic=True``) the launch is built without
     specializing S: the length argument and the grid are expressions of S, the tile is the one of
@@ -361,31 +328,6 @@ def test_gpu_forward_mark_dynamic_length_needs_no_recompile():
         torch.testing.assert_close(inputs[3].float(), ref_inputs[3].float(), rtol=0, atol=2 ** -6 * 8)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
     assert fusion_pass.match_counts().get("qk_norm_rope_cache") == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_forward_dynamic_true_launches_the_kernel_with_no_recompile():
-    """``dynamic=True``: eps arrives as a 0-d CPU tensor; the wrapper still launches our kernel
-    (eps read per call), no op, one graph for every length."""
-    from qwen3_style import Qwen3StylePrologue, make_inputs
-
-    model = Qwen3StylePrologue(hidden=256, q_heads=8, kv_heads=2, head_dim=128).to("cuda", BF16)
-    compiled = torch.compile(model, dynamic=True, options=fusion_pass.options())
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    codes = []
-    for seq in (17, 40, 9):
-        inputs = [x.cuda() for x in make_inputs(seq=seq, hidden=256, kv_heads=2, head_dim=128, cache_len=64)]
-        ref_inputs = [x.clone() for x in inputs]
-        with torch.no_grad():
-            out, code = run_and_get_code(compiled, *inputs) if not codes else (compiled(*inputs), [])
-            ref = model(*ref_inputs)
-        codes += code
-        torch.testing.assert_close(out[0].float(), ref[0].float(), rtol=0, atol=2 ** -6 * ref[0].abs().max().item())
-        torch.testing.assert_close(inputs[3].float(), ref_inputs[3].float(), rtol=0, atol=2 ** -6 * 8)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
-    assert fusion_pass.match_counts().get("qk_norm_rope_cache") == 1
-    _assert_inline_launch("\n".join(codes), "_qk_norm_rope_cache_kernel")
 
 
 @pytest.mark.gpu
