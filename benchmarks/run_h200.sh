@@ -19,7 +19,7 @@ mkdir -p "$out"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$out/machine.txt"
 case "$stage" in
   tests)  # every GPU-marked test in one run, then the kernel test files (they run on CUDA when present)
-    timeout ${TESTS_TIMEOUT:-590} python3 -m pytest -q -p no:cacheprovider -rs --continue-on-collection-errors -m gpu tests "$@" 2>&1 \
+    timeout ${TESTS_TIMEOUT:-590} python3 -m pytest -q -p no:cacheprovider -rxs --continue-on-collection-errors -m gpu tests "$@" 2>&1 \
       | tee "$out/gpu-tests.log" | tail -25
     ;;
   kernels)
