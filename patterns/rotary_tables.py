@@ -24,8 +24,9 @@ and the table kernels leave the graph once no node reads the tables. Each layer'
 its tokens' angles and their cos/sin in fp32 (a few flops per element, no bytes).
 
 Recognition follows the computation, not a spelling: the tables' ancestors must be pure aten
-ops over exactly two graph inputs, an integer position tensor ``[B or 1, S]`` (or ``[S]``) and a
-float32 ``inv_freq [D/2]``; that subgraph is then run on the CPU on random positions and
+ops over exactly two leaves, an integer position tensor (``[B or 1, S]`` or ``[S]`` up to
+size-1 dims; a graph input, or computed in the graph such as ``arange(past, past + S)``) and a
+``inv_freq [D/2]`` (fp32, or the model dtype); that float subgraph is then run on the CPU on random positions and
 frequencies and must equal ``rope_cos_sin_reference`` bit for bit (``attention_scaling`` taken
 from the subgraph's scalar constants). Any other spelling of the same function passes; a
 different rounding (fp64 angles, a bf16 product, another scaling) does not, and keeps its tables.
@@ -45,6 +46,7 @@ aten = torch.ops.aten
 
 #: A rotary-embedding subgraph is a handful of ops; a larger ancestry is some other computation.
 _MAX_NODES = 64
+_FREQ_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KERNELS = (cache_kernel._qk_norm_rope_cache_kernel, cache_kernel._qk_norm_rope_cache_graph_kernel)
 
 
@@ -60,17 +62,24 @@ class RotarySource:
     stride_s: int
 
 
+def _is_integer_tensor(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and not val.is_floating_point() and val.dtype != torch.bool
+
+
 def _ancestry(table: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:
-    """(the pure call_function nodes ``table`` depends on, in graph order; the graph inputs they
-    read), or None when an ancestor is anything but a pure aten op or the ancestry is too large."""
-    seen, inputs, stack = set(), [], [table]
+    """(the pure call_function nodes ``table`` depends on back to its leaves, in graph order; the
+    leaves: graph inputs, and the integer tensors where the float computation starts, which may
+    be computed in the graph, e.g. ``arange(past, past + S)``), or None when an ancestor is
+    anything but a pure aten op or the ancestry is too large."""
+    seen, leaves, stack = set(), [], [table]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if node.op in ("placeholder", "get_attr"):
-            inputs.append(node)
+        if node.op in ("placeholder", "get_attr") or _is_integer_tensor(node):
+            leaves.append(node)
             continue
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -81,8 +90,23 @@ def _ancestry(table: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.
             return None
         stack.extend(node.all_input_nodes)
     order = {n: i for i, n in enumerate(table.graph.nodes)}
-    computed = sorted((n for n in seen if n.op == "call_function"), key=order.__getitem__)
-    return computed, inputs
+    computed = sorted((n for n in seen if n not in leaves), key=order.__getitem__)
+    return computed, leaves
+
+
+def _position_strides(positions: torch.Tensor, batch: int, seq: int) -> tuple[int, int] | None:
+    """(batch stride, token stride) of ``positions`` read as ``[batch or 1, seq]``: its dims
+    other than size-1 ones must be (batch, seq) or (seq); None otherwise."""
+    dims = [(size, stride) for size, stride in zip(positions.shape, positions.stride()) if size != 1]
+    if seq == 1 and not dims:
+        return 0, 0
+    if seq == 1 and len(dims) == 1 and dims[0][0] == batch:
+        return dims[0][1], 0
+    if len(dims) == 1 and dims[0][0] == seq:
+        return 0, dims[0][1]
+    if len(dims) == 2 and dims[0][0] == batch and dims[1][0] == seq:
+        return dims[0][1], dims[1][1]
+    return None
 
 
 def _evaluate(nodes: list[torch.fx.Node], values: dict) -> dict:
@@ -118,43 +142,40 @@ def _concrete(shape) -> bool:
 def rotary_source(cos: torch.fx.Node, sin: torch.fx.Node, dtype: torch.dtype, half: int) -> RotarySource | None:
     """The positions and frequencies that ``cos`` and ``sin`` (``[B or 1, S, 2 * half]`` tables of
     ``dtype``) are computed from, checked by running their subgraph; None when they are not
-    Hugging Face's rotary tables of graph inputs (then the kernel keeps reading the tables)."""
+    Hugging Face's rotary tables (then the kernel keeps reading the tables)."""
     found = [_ancestry(cos), _ancestry(sin)]
     if None in found:
         return None
     (cos_nodes, cos_inputs), (sin_nodes, sin_inputs) = found
-    inputs = list(dict.fromkeys(cos_inputs + sin_inputs))
-    if len(inputs) != 2:
+    leaves = list(dict.fromkeys(cos_inputs + sin_inputs))
+    integer = [n for n in leaves if _is_integer_tensor(n)]
+    floats = [n for n in leaves if n not in integer]
+    if len(integer) != 1 or len(floats) != 1:
         return None
-    vals = [n.meta.get("val") for n in inputs]
-    if not all(isinstance(v, torch.Tensor) and _concrete(v.shape) for v in vals):
-        return None
-    positions, inv_freq = (inputs if not vals[0].is_floating_point() else inputs[::-1])
-    pos_val, inv_val = positions.meta["val"], inv_freq.meta["val"]
-    table = cos.meta.get("val")
-    if (pos_val.is_floating_point() or pos_val.dtype == torch.bool or inv_val.dtype != torch.float32
-            or tuple(inv_val.shape) != (half,) or inv_val.stride() != (1,)
-            or table is None or table.dim() != 3 or not _concrete(table.shape)):
+    (positions,), (inv_freq,) = integer, floats
+    pos_val, inv_val, table = positions.meta.get("val"), inv_freq.meta.get("val"), cos.meta.get("val")
+    # inv_freq is fp32 as transformers creates it; ``model.to(bf16)`` casts the buffer too, and the
+    # model's ``.float()`` (like the kernel's load) widens it exactly.
+    if (not isinstance(inv_val, torch.Tensor) or inv_val.dtype not in _FREQ_DTYPES or not _concrete(inv_val.shape)
+            or tuple(inv_val.shape) != (half,) or inv_val.stride() != (1,) or not _concrete(pos_val.shape)
+            or not _concrete(pos_val.stride()) or table is None or table.dim() != 3 or not _concrete(table.shape)):
         return None
     batch, seq = table.shape[0], table.shape[1]
-    if pos_val.dim() == 1 and pos_val.shape[0] == seq:
-        stride_b, stride_s = 0, pos_val.stride(0)
-    elif pos_val.dim() == 2 and pos_val.shape[1] == seq and pos_val.shape[0] in (1, batch):
-        stride_b = 0 if pos_val.shape[0] == 1 else pos_val.stride(0)
-        stride_s = pos_val.stride(1)
-    else:
+    strides = _position_strides(pos_val, batch, seq)
+    if strides is None:
         return None
+    stride_b, stride_s = strides
     g = torch.Generator().manual_seed(0)
     sample_positions = torch.randint(0, 1 << 17, tuple(pos_val.shape), generator=g).to(pos_val.dtype)
     theta = 10.0 ** (4 + 2 * torch.rand((), generator=g).item())
-    sample_inv_freq = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half))
+    sample_inv_freq = (1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half))).to(inv_val.dtype)
     try:
         env = _evaluate(list(dict.fromkeys(cos_nodes + sin_nodes)),
                         {positions: sample_positions, inv_freq: sample_inv_freq})
     except Exception:  # noqa: BLE001 - an op that will not run on the CPU: keep the tables
         return None
     got_cos, got_sin = env[cos], env[sin]
-    rows = sample_positions.reshape(-1, seq)
+    rows = sample_positions.reshape(-1, seq) if seq else sample_positions.reshape(1, 0)
     for scaling in [1.0, *_scalars(cos_nodes)]:
         want_cos, want_sin = cache_kernel.rope_cos_sin_reference(rows, sample_inv_freq, scaling, dtype)
         if (got_cos.shape == got_sin.shape == (batch, seq, 2 * half) and got_cos.dtype == got_sin.dtype == dtype
@@ -201,7 +222,10 @@ def compute_tables_in_kernels(graph: torch.fx.Graph) -> int:
         if "eager_input_vals" in node.meta:  # Inductor reads the inputs' strides from here
             args, kwargs = node.meta["eager_input_vals"]
             vals = {k: (v.meta["val"] if isinstance(v, torch.fx.Node) else v) for k, v in update.items()}
-            node.meta["eager_input_vals"] = (args, dict(kwargs, kwargs=dict(kwargs["kwargs"], **vals)))
+            # The same containers as the node's kwargs (immutable_dict): torch 2.11's pytree
+            # matching of the two in decompose_triton_kernel_wrapper_functional is strict on type.
+            inner = type(kwargs["kwargs"])({**kwargs["kwargs"], **vals})
+            node.meta["eager_input_vals"] = (args, type(kwargs)({**kwargs, "kwargs": inner}))
         dead += [cos, sin]
         changed += 1
     erased = set()

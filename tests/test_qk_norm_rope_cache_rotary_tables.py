@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fusion_pass
@@ -46,6 +47,14 @@ def elementwise_rotary(positions, inv_freq, scaling=1.0):
     return (emb.cos() * scaling).to(BF16), (emb.sin() * scaling).to(BF16)
 
 
+def in_graph_positions_rotary(position_ids, inv_freq, scaling=1.0):
+    """Positions computed in the graph (``arange(past, past + S)``, as transformers derives them
+    from ``cache_position``); the test passes ``inv_freq`` in the model dtype, as ``model.to(bf16)``
+    leaves the buffer."""
+    positions = (torch.arange(position_ids.shape[-1]) + 40000)[None].expand(position_ids.shape[0], -1)
+    return hf_rotary(positions, inv_freq, scaling)
+
+
 def fp64_rotary(position_ids, inv_freq, scaling=1.0):
     """Other tables: angles in fp64 (rounded differently from the model's fp32 ones)."""
     freqs = position_ids[:, :, None].double() * inv_freq.double()
@@ -53,13 +62,13 @@ def fp64_rotary(position_ids, inv_freq, scaling=1.0):
     return (emb.cos() * scaling).to(BF16), (emb.sin() * scaling).to(BF16)
 
 
-def inputs(seed=0, position_vector=False):
+def inputs(seed=0, position_vector=False, inv_freq_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
 
     def t(*shape):
         return torch.randn(*shape, generator=g).to(BF16)
 
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    inv_freq = (1.0 / 1e6 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)).to(inv_freq_dtype)
     position_ids = torch.tensor([[7, 900, 31000, 5, 123456]] * B)
     if position_vector:
         position_ids = position_ids[0]
@@ -67,13 +76,14 @@ def inputs(seed=0, position_vector=False):
             t(B, HKV, L, D), torch.arange(3, 3 + S), position_ids, inv_freq]
 
 
-def traced(rotary, scaling=1.0, position_vector=False):
+def traced(rotary, scaling=1.0, position_vector=False, inv_freq_dtype=torch.float32):
     def prologue(q, k, v, qw, kw, k_cache, v_cache, cache_position, position_ids, inv_freq):
         cos, sin = rotary(position_ids, inv_freq, scaling)
         return forward_pattern._fused(VARIANT, q, k, v, qw, kw, cos.unsqueeze(1), sin.unsqueeze(1), k_cache,
                                       v_cache, cache_position, 1e-6, 1e-6)
 
-    return make_fx(prologue, tracing_mode="fake")(*inputs(position_vector=position_vector))
+    return make_fx(prologue, tracing_mode="fake")(*inputs(position_vector=position_vector,
+                                                          inv_freq_dtype=inv_freq_dtype))
 
 
 def kernel_launch(gm):
@@ -85,19 +95,29 @@ def table_ops(gm):
     return [n for n in gm.graph.nodes if n.target in (torch.ops.aten.cos.default, torch.ops.aten.sin.default)]
 
 
-@pytest.mark.parametrize("rotary,scaling", [(hf_rotary, 1.0), (hf_rotary, 0.75), (elementwise_rotary, 1.0)],
-                         ids=["hf_matmul", "hf_matmul_attention_scaling", "elementwise_positions_vector"])
+@pytest.mark.parametrize("rotary,scaling", [(hf_rotary, 1.0), (hf_rotary, 0.75), (elementwise_rotary, 1.0),
+                                            (in_graph_positions_rotary, 1.0)],
+                         ids=["hf_matmul", "hf_matmul_attention_scaling", "elementwise_positions_vector",
+                              "positions_computed_bf16_inv_freq"])
 def test_rotary_tables_move_into_the_kernel(rotary, scaling):
     vector = rotary is elementwise_rotary
-    tables = traced(rotary, scaling, vector)
+    freq_dtype = BF16 if rotary is in_graph_positions_rotary else torch.float32
+    tables = traced(rotary, scaling, vector, freq_dtype)
     fused = copy.deepcopy(tables)
     assert compute_tables_in_kernels(fused.graph) == 1
     fused.recompile()
     launch = kernel_launch(fused)
     assert launch["ROPE_FROM_POSITIONS"] and launch["cos_ptr"] is None and launch["sin_ptr"] is None
-    assert launch["ATTENTION_SCALING"] == scaling and launch["position_ids_ptr"].op == "placeholder"
+    assert launch["ATTENTION_SCALING"] == scaling and launch["position_ids_ptr"].meta["val"].dtype == torch.int64
     assert not table_ops(fused), fused.graph
-    want, got = tables(*inputs(position_vector=vector)), fused(*inputs(position_vector=vector))
+    (hop,) = [n for n in fused.graph.nodes if n.target is triton_kernel_wrapper_functional]
+    _, eager_kwargs = hop.meta["eager_input_vals"]  # the strides Inductor enforces: the same containers
+    assert type(eager_kwargs["kwargs"]) is type(hop.kwargs["kwargs"])
+    assert eager_kwargs["kwargs"]["position_ids_ptr"] is launch["position_ids_ptr"].meta["val"]
+    lowered = copy.deepcopy(fused)  # torch 2.11 raised here on a plain dict in eager_input_vals
+    decompose_triton_kernel_wrapper_functional(lowered.graph)
+    args = inputs(position_vector=vector, inv_freq_dtype=freq_dtype)
+    want, got = tables(*args), fused(*args)
     for a, b in zip(want, got):
         # cos/sin in the kernel (numpy's under the interpreter) against torch's: a rare 1-ulp flip
         # of a bf16 table entry; every output stays within one bf16 ulp of its scale.
@@ -111,6 +131,12 @@ def test_tables_of_another_rounding_stay_tables():
     gm = traced(fp64_rotary)
     assert compute_tables_in_kernels(gm.graph) == 0
     assert kernel_launch(gm)["cos_ptr"] is not None and table_ops(gm)
+
+
+def test_inv_freq_rounded_in_the_graph_stays_tables():
+    """``inv_freq.to(bf16)`` inside the graph rounds the frequencies the kernel would read in fp32."""
+    gm = traced(lambda p, f, s: hf_rotary(p, f.to(BF16), s))
+    assert compute_tables_in_kernels(gm.graph) == 0
 
 
 def test_tables_passed_in_stay_tables():
