@@ -11,7 +11,8 @@ that the H200 measurements rest on:
   twice; the kernels add such products through ``rounding.round_sum``), checked against a control
   kernel that adds them plainly and must show such FMAs;
 - no register spills; the forward kernel without shared-memory barriers (v5: cos/sin loaded in
-  the head tiles' layout) and within 80 registers (>= 6 resident 4-warp programs per SM).
+  the head tiles' layout; compiled with device asserts, as Inductor compiles it, the one barrier
+  that ends its cache-position assert) and within 80 registers (>= 6 resident 4-warp programs per SM).
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ def test_contraction_control_shows_the_fmas_round_sum_prevents():
     assert r["fma_bf16"] > 0, r
 
 
-@pytest.mark.parametrize("variant", ["forward_bf16_d128", "forward_graph_bf16_d128"])
-def test_forward_kernel_has_no_layout_conversion_barriers_and_few_registers(variant):
+@pytest.mark.parametrize("variant,assert_barriers", [("forward_bf16_d128", 0), ("forward_graph_bf16_d128", 1)])
+def test_forward_kernel_has_no_layout_conversion_barriers_and_few_registers(variant, assert_barriers):
+    """No shared-memory layout conversion. Compiled as Inductor compiles it (device asserts on),
+    the kernel has exactly one barrier: Triton ends a ``tl.device_assert`` with one, and the
+    cache-position assert sits in the k/v programs only."""
     r = report()[variant]
-    assert r["barriers"] == 0, r
+    assert r["barriers"] == assert_barriers, r
     assert 0 < r["registers"] <= 80, r
