@@ -243,6 +243,7 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import (
     torch_rms_norm_reference,
 )
 from fusion_pass.matching import apply_first_to_last
+from fusion_pass.patterns.canonical_forms import canonicalize
 
 FAMILY = "qk_norm_rope_cache"
 
@@ -670,14 +671,16 @@ def register(pass_dict) -> None:
 def apply(graph: torch.fx.Graph, pass_dict) -> int:
     """Run the registered patterns on ``graph``; returns the number of layers fused.
 
-    Slice-assigned cache writes are first rewritten as index_put writes at ``arange(start,
-    end)`` so that one pattern covers both; the ones no fusion consumed are put back as they
-    were, so an unmatched graph leaves this pass unchanged.
+    Equivalent spellings of the norm and of ``rotate_half`` are first rewritten to the one the
+    patterns match (``canonical_forms``: exact, value-preserving rewrites). Slice-assigned cache
+    writes are rewritten as index_put writes at ``arange(start, end)`` so that one pattern covers
+    both; the ones no fusion consumed are put back as they were.
     """
     # torch.export puts an aten._assert_tensor_metadata on every .to(dtype) result: an extra user
     # of the norm's intermediates, it hid every prologue of an exported program (AOTInductor).
     # Inductor lowers them to nothing and erases them later in its post-grad passes anyway.
     remove_assert_ops(graph)
+    canonicalize(graph)
     drop_batch_of_one_reshapes(graph)
     normalize_flat_cache_views(graph)
     rewrites = canonicalize_slice_writes(graph)

@@ -1,0 +1,122 @@
+"""Equivalent spellings of the norm and of ``rotate_half``, rewritten to the one the patterns match.
+
+Model code writes the same computation in many ways; the forward patterns are traced from one
+spelling (``kernels/qk_norm_rope_cache_reference.py``). Before matching, the post-grad graph is
+rewritten, exactly (the same values bit for bit), so that the others read as that one:
+
+======================================================  ==========================================
+model code                                              canonical form
+======================================================  ==========================================
+``x.float()`` twice of one tensor                       one cast, its users shared
+``h * h`` (``torch.mean(h * h, -1)``)                   ``h.pow(2)`` (eager computes ``h * h``)
+``normed.to(dtype) * weight``                           ``weight * normed.to(dtype)``
+``x.chunk(2, -1)``, ``torch.split(x, D // 2, -1)``      ``x[..., :D // 2]``, ``x[..., D // 2:]``
+======================================================  ==========================================
+
+Each rewrite is local and value-preserving, so a graph that then matches nothing computes what
+it did before (the nodes differ, the values do not).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+
+import torch
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def merge_duplicate_casts(graph: torch.fx.Graph) -> int:
+    """``convert_element_type(x, dtype)`` computed twice: the later one's users take the first."""
+    seen, merged = {}, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not prims.convert_element_type.default:
+            continue
+        key = (node.args[0], node.args[1])
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            graph.erase_node(node)
+            merged += 1
+    return merged
+
+
+def square_products_as_pow(graph: torch.fx.Graph) -> int:
+    """``mul(h, h)`` -> ``pow(h, 2)``: torch computes ``pow(h, 2)`` as ``h * h`` (eager and
+    Inductor), so the values are the same."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is aten.mul.Tensor and len(node.args) == 2
+                and node.args[0] is node.args[1] and isinstance(node.args[0], torch.fx.Node) and not node.kwargs):
+            val = _val(node.args[0])
+            if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+                continue
+            with graph.inserting_before(node):
+                square = graph.call_function(aten.pow.Tensor_Scalar, (node.args[0], 2))
+            square.meta.update(node.meta)
+            node.replace_all_uses_with(square)
+            graph.erase_node(node)
+            rewritten += 1
+    return rewritten
+
+
+def weight_first_products(graph: torch.fx.Graph) -> int:
+    """``mul(normed.to(dtype), weight)`` -> ``mul(weight, normed.to(dtype))`` where ``weight`` is
+    a 1-D graph input (a norm weight) and the other factor a cast to bf16/fp16: a product of two
+    values is the same in either order."""
+    rewritten = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.mul.Tensor or len(node.args) != 2:
+            continue
+        normed, weight = node.args
+        if not (isinstance(normed, torch.fx.Node) and isinstance(weight, torch.fx.Node)):
+            continue
+        weight_val = _val(weight)
+        if (weight.op == "placeholder" and isinstance(weight_val, torch.Tensor) and weight_val.dim() == 1
+                and normed.target is prims.convert_element_type.default and normed.args[1] in _LOW_PRECISION):
+            node.args = (weight, normed)
+            rewritten += 1
+    return rewritten
+
+
+def half_splits_as_slices(graph: torch.fx.Graph) -> int:
+    """``split(x, D // 2, -1)`` read by ``getitem`` 0 and 1 (``x.chunk(2, -1)``) -> the two
+    slices ``x[..., :D // 2]`` and ``x[..., D // 2:]``, as ``rotate_half`` slices them."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.split.Tensor or len(node.args) < 2:
+            continue
+        x, size = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        val = _val(x)
+        if not isinstance(val, torch.Tensor) or not isinstance(size, int) or not isinstance(dim, int):
+            continue
+        dim = dim % val.dim()
+        if dim != val.dim() - 1 or val.shape[dim] != 2 * size:
+            continue
+        users = list(node.users)
+        if not all(u.target is operator.getitem and u.args[1] in (0, 1) for u in users):
+            continue
+        for user in users:
+            start, end = (0, size) if user.args[1] == 0 else (size, sys.maxsize)
+            with graph.inserting_before(user):
+                piece = graph.call_function(aten.slice.Tensor, (x, dim, start, end))
+            piece.meta.update(user.meta)
+            user.replace_all_uses_with(piece)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
+def canonicalize(graph: torch.fx.Graph) -> int:
+    """Apply every rewrite above to ``graph``; returns how many nodes were rewritten."""
+    return (merge_duplicate_casts(graph) + square_products_as_pow(graph) + weight_first_products(graph)
+            + half_splits_as_slices(graph))
