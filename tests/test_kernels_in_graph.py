@@ -308,42 +308,23 @@ def test_gpu_forward_kernel_launched_by_inductor_in_place(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_forward_mark_dynamic_length_needs_no_recompile():
+@pytest.mark.parametrize("dynamic", ["mark_dynamic", "dynamic_true"])
+def test_gpu_forward_symbolic_length_needs_no_recompile(dynamic):
+    """One graph for every length, equal to eager: with ``mark_dynamic`` on the sequence dims,
+    and with ``dynamic=True``. The latter lifts ``variance_epsilon`` into a 0-d CPU tensor, which
+    a launch cannot take as a constant and Inductor's replacement trace cannot read (``.item()``
+    there raised DataDependentOutputException, torch 2.11 on the H200): that region is fused
+    through the op (a Python op per call)."""
     from qwen3_style import Qwen3StylePrologue, make_inputs
 
     model = Qwen3StylePrologue(hidden=256, q_heads=8, kv_heads=2, head_dim=128).to("cuda", BF16)
-    compiled = torch.compile(model, options=fusion_pass.options())
+    compiled = torch.compile(model, dynamic=dynamic == "dynamic_true" or None, options=fusion_pass.options())
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seq in (17, 40, 9):
         inputs = [x.cuda() for x in make_inputs(seq=seq, hidden=256, kv_heads=2, head_dim=128, cache_len=64)]
-        torch._dynamo.mark_dynamic(inputs[0], 1)
-        for i in (1, 2):
-            torch._dynamo.mark_dynamic(inputs[i], 1)
-        torch._dynamo.mark_dynamic(inputs[5], 0)
-        ref_inputs = [x.clone() for x in inputs]
-        with torch.no_grad():
-            out = compiled(*inputs)
-            ref = model(*ref_inputs)
-        torch.testing.assert_close(out[0].float(), ref[0].float(), rtol=0, atol=2 ** -6 * ref[0].abs().max().item())
-        torch.testing.assert_close(inputs[3].float(), ref_inputs[3].float(), rtol=0, atol=2 ** -6 * 8)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
-    assert fusion_pass.match_counts().get("qk_norm_rope_cache") == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_forward_dynamic_true_is_fused_through_the_op_with_no_recompile():
-    """``dynamic=True`` lifts ``variance_epsilon`` into a 0-d CPU tensor, which a launch cannot
-    take as a constant and Inductor's replacement trace cannot read (``.item()`` there raises
-    DataDependentOutputException, torch 2.11 on the H200): the region is fused through the op,
-    one graph for every length, equal to eager. (Known cost: a Python op per call.)"""
-    from qwen3_style import Qwen3StylePrologue, make_inputs
-
-    model = Qwen3StylePrologue(hidden=256, q_heads=8, kv_heads=2, head_dim=128).to("cuda", BF16)
-    compiled = torch.compile(model, dynamic=True, options=fusion_pass.options())
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for seq in (17, 40, 9):
-        inputs = [x.cuda() for x in make_inputs(seq=seq, hidden=256, kv_heads=2, head_dim=128, cache_len=64)]
+        if dynamic == "mark_dynamic":
+            for i, dim in ((0, 1), (1, 1), (2, 1), (5, 0)):
+                torch._dynamo.mark_dynamic(inputs[i], dim)
         ref_inputs = [x.clone() for x in inputs]
         with torch.no_grad():
             out = compiled(*inputs)
