@@ -11,6 +11,8 @@ model code                                              canonical form
 ``h * h`` (``torch.mean(h * h, -1)``)                   ``h.pow(2)`` (eager computes ``h * h``)
 ``normed.to(dtype) * weight``                           ``weight * normed.to(dtype)``
 ``x.chunk(2, -1)``, ``torch.split(x, D // 2, -1)``      ``x[..., :D // 2]``, ``x[..., D // 2:]``
+(training) ``rotate_half``'s backward sum, first half   the second half's term first
+first (its slices taken second half first)
 ======================================================  ==========================================
 
 Each rewrite is local and value-preserving, so a graph that then matches nothing computes what
@@ -113,6 +115,25 @@ def half_splits_as_slices(graph: torch.fx.Graph) -> int:
             graph.erase_node(user)
         graph.erase_node(node)
         rewritten += 1
+    return rewritten
+
+
+def scatter_sums_second_half_first(graph: torch.fx.Graph) -> int:
+    """In the backward of ``rotate_half``, ``slice_scatter(g, first half) + slice_scatter(g',
+    second half)`` -> the second half's term first, as autograd orders it when ``rotate_half``
+    takes its first half first (Hugging Face's); the order follows the model's slice order, and
+    a sum of two values is the same in either order."""
+    rewritten = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+            continue
+        a, b = node.args
+        if not all(isinstance(t, torch.fx.Node) and t.target is aten.slice_scatter.default for t in (a, b)):
+            continue
+        (dim_a, start_a), (dim_b, start_b) = (t.args[2:4] if len(t.args) >= 4 else (None, None) for t in (a, b))
+        if dim_a == dim_b and isinstance(start_a, int) and isinstance(start_b, int) and start_a < start_b:
+            node.args = (b, a)
+            rewritten += 1
     return rewritten
 
 

@@ -94,13 +94,15 @@ class FusedQKVAttention(nn.Module):
     HunyuanImage-3.0 layout: rows grouped per kv head [q * G, k, v]), ``"quarter_rotate"``,
     ``"swapped_halves"`` (rotate_half as ``cat((-x1, x2))``: the same slices in other roles),
     ``"swapped_grad"`` (rotate_half with a custom backward routing the halves the other way:
-    training only, its forward is the modelled code).
+    training only, its forward is the modelled code). ``rotate_half``: an equivalent spelling of
+    ``rotate_half`` (e.g. through ``chunk``) in place of Hugging Face's.
     """
 
     def __init__(self, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, bias=False, eps=EPS,
-                 lookalike: str | None = None, consumer: str = "sdpa"):
+                 lookalike: str | None = None, consumer: str = "sdpa", rotate_half=None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.lookalike = heads, kv_heads, head_dim, lookalike
+        self.rotate_half = rotate_half  # another spelling of rotate_half (the same function)
         self.consumer = consumer
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
@@ -129,8 +131,8 @@ class FusedQKVAttention(nn.Module):
             value = v.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         if self.lookalike == "norm_before_rope":
             query, key = self.query_layernorm(query), self.key_layernorm(key)
-        if self.lookalike in _LOOKALIKE_ROTATIONS:
-            rotate = _LOOKALIKE_ROTATIONS[self.lookalike]
+        if self.lookalike in _LOOKALIKE_ROTATIONS or self.rotate_half is not None:
+            rotate = _LOOKALIKE_ROTATIONS.get(self.lookalike, self.rotate_half)
             c, s = cos.unsqueeze(1), sin.unsqueeze(1)
             query, key = query * c + rotate(query) * s, key * c + rotate(key) * s
         else:

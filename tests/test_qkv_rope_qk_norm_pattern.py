@@ -21,6 +21,7 @@ import fusion_pass
 from fusion_pass.graph_text import CapturingPass
 from fusion_pass.patterns import qkv_rope_qk_norm as pattern
 from qkv_rope_qk_norm_models import (
+    HEAD_DIM,
     HIDDEN,
     INFERENCE_VARIANTS,
     TRAINING_VARIANTS,
@@ -179,6 +180,30 @@ def test_lookalikes_do_not_match(training):
     assert fusion_pass.match_counts() == {}
     assert pattern.variant_counts() == {}
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _rotate_half_constant_half(x):
+    """``rotate_half`` written inline with the half as a constant (issue 17)."""
+    return torch.cat((-x[..., HEAD_DIM // 2:], x[..., :HEAD_DIM // 2]), dim=-1)
+
+
+@pytest.mark.parametrize("rotate_half", [_rotate_half_constant_half], ids=["constant_half"])
+def test_rotate_half_spellings_match_in_training(rotate_half):
+    """Equivalent spellings of ``rotate_half`` in the HunyuanImage-3-style block: fused once, and
+    the gradients equal eager's. The inline form takes its second half first, which orders the
+    backward's sum of the two ``slice_scatter`` terms the other way (``canonical_forms``). Not
+    yet: ``chunk``, whose backward is a ``cat`` of the two gradients."""
+    torch.manual_seed(0)
+    model = FusedQKVAttention(rotate_half=rotate_half)
+    reference = copy.deepcopy(model)
+    inputs = _inputs(torch.float32)[:3]
+    ref_inputs = _clone_inputs(inputs)
+    out = _compile(model)(*inputs)
+    out.pow(2).mean().backward()
+    reference(*ref_inputs).pow(2).mean().backward()
+    assert fusion_pass.match_counts() == {FAMILY: 1}, fusion_pass.report()
+    errors = compare_grads(model, reference, [("x", inputs[0], ref_inputs[0])])
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
 @pytest.mark.parametrize("structure", ["fused", "separate"])
