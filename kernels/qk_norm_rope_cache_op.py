@@ -235,6 +235,14 @@ def qk_norm_rope_cache(
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm,
                                   rotary_dim, interleaved)
     check_positions_in_cache(cache_position, k_cache.shape[2], "cache_position")
+    return _run_checked(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, norm,
+                        rope_first, rotary_dim, interleaved)
+
+
+def _run_checked(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, norm,
+                 rope_first, rotary_dim, interleaved) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope_cache`` once its arguments and positions are checked (the dense and the
+    paged op each check theirs once, under their own names)."""
     if triton_applicable(q):
         from .qk_norm_rope_cache_triton import qk_norm_rope_cache_triton
 
@@ -385,8 +393,8 @@ def qk_norm_rope_paged_cache(
         q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, norm, rotary_dim,
         interleaved)
     check_positions_in_cache(slot_mapping, k_rows.shape[2], "slot_mapping")
-    return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, q_eps, k_eps,
-                              norm, rope_first, rotary_dim, interleaved)
+    return _run_checked(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, q_eps, k_eps, norm,
+                        rope_first, rotary_dim, interleaved)
 
 
 def qk_norm_rope_paged_cache_eps_tensor(
