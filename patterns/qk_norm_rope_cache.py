@@ -244,6 +244,7 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import (
 )
 from fusion_pass.matching import apply_first_to_last
 from fusion_pass.patterns.canonical_forms import canonicalize
+from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
 
 FAMILY = "qk_norm_rope_cache"
 
@@ -685,6 +686,8 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
     normalize_flat_cache_views(graph)
     rewrites = canonicalize_slice_writes(graph)
     count = apply_first_to_last(pass_dict, graph)
+    if count:
+        compute_tables_in_kernels(graph)
     restore_unfused_slice_writes(graph, rewrites)
     _near_miss_pass().apply(graph)
     return count
