@@ -59,9 +59,13 @@ ROPE_THETA = 10_000_000.0  # Qwen3-Coder-480B-A35B rope_theta
 CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
          (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
 QUICK_CASES = [(1, 2048, 4), (128, 0, 8), (293, 131, 1), (4096, 2048, 1)]
-SWEEP_CASE = (4096, 2048, 1)
-# (tokens_per_program, heads_per_program, num_warps); None = the launch_config rule.
-SWEEP_CONFIGS = [(None, None, None), (2, 8, 4), (8, 8, 4), (8, 8, 8), (16, 8, 4), (16, 8, 8), (32, 8, 8), (4, 16, 8), (4, 8, 2), (1, 32, 4), (32, 1, 4)]
+SWEEP_CASES = [(4096, 2048, 1), (2048, 0, 1), (512, 256, 2), (128, 0, 8), (1, 2048, 4)]
+# (tokens_per_program, heads_per_program, num_warps, qk_blocks_per_program, maxnreg); None = the
+# launch_config rule (maxnreg: no cap).
+SWEEP_CONFIGS = [(None, None, None, None, None), (None, None, None, 1, 64), (None, None, None, 1, 56),
+                 (None, None, None, 1, 72), (None, None, None, 2, None), (None, None, None, 4, None),
+                 (None, None, None, 13, None), (1, 8, 2, 13, None), (None, None, None, 4, 64), (8, 8, 8, 1, None),
+                 (2, 8, 4, 1, None), (2, 8, 4, 1, 64)]
 REP_MS = 60
 DEVICE = "cuda"  # a module global so that a CPU dry run can swap it
 K_FILL, V_FILL = 1.5, -2.5  # cache contents before the run; unwritten rows must keep them
@@ -345,36 +349,46 @@ def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: 
 
 
 def sweep(copy_tbps: float) -> list[dict]:
-    """Tile/warp variants of the tensor launcher on the largest case (for choosing the rule)."""
-    seq, cached, batch = SWEEP_CASE
+    """Tile variants of the kernel compiled graphs launch (cos/sin from positions), CUDA-graph
+    replay, on SWEEP_CASES (for choosing the rule); the tensor-cos/sin kernel beside it."""
     module = QKNormRopeCache(HEAD_DIM, EPS, ROPE_THETA, DTYPE, DEVICE)
-    x = make_inputs(seq, cached, batch)
-    cos, sin = kernel.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
     qw, kw = module.q_norm_weight.detach(), module.k_norm_weight.detach()
-    q_out, k_out = torch.empty_like(x["query"]), torch.empty_like(x["key"])
-    floor_us = case_bytes(seq, batch) / (copy_tbps * 1e12) * 1e6
     rows = []
-    for tokens, heads, warps in SWEEP_CONFIGS:
-        def launch():
-            kernel.qk_norm_rope_cache_triton(
-                x["query"], x["key"], x["value"], qw, kw, cos, sin, x["key_cache"], x["value_cache"],
-                x["cache_position"], EPS, EPS, q_out, k_out,
-                tokens_per_program=tokens, heads_per_program=heads, num_warps=warps)
+    for seq, cached, batch in SWEEP_CASES:
+        x = make_inputs(seq, cached, batch)
+        cos, sin = kernel.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
+        q_out, k_out = torch.empty_like(x["query"]), torch.empty_like(x["key"])
+        floor_us = case_bytes(seq, batch) / (copy_tbps * 1e12) * 1e6
+        for tokens, heads, warps, per_program, maxnreg in [("tables", None, None, None, None)] + SWEEP_CONFIGS:
+            tables = tokens == "tables"
+            tiles = {} if tables else dict(tokens_per_program=tokens, heads_per_program=heads, num_warps=warps,
+                                           qk_blocks_per_program=per_program)
+            rope = (dict(position_ids=x["position_ids"], inv_freq=module.inv_freq) if not tables else {})
+            call = kernel.cache_kernel_call(
+                x["query"], x["key"], x["value"], qw, kw, cos if tables else None, sin if tables else None,
+                x["key_cache"], x["value_cache"], x["cache_position"], EPS, EPS, q_out, k_out, **rope, **tiles)
+            # As the launchers launch (device asserts on), with ptxas's register cap where given.
+            options = dict(debug=True, sanitize_overflow=False, **({"maxnreg": maxnreg} if maxnreg else {}))
 
-        config = kernel.launch_config(batch, Q_HEADS, KV_HEADS, seq, HEAD_DIM, 2, tokens, heads, warps)
-        row = dict(tokens_per_program=config.tokens_per_program, heads_per_program=config.heads_per_program,
-                   num_warps=config.num_warps, default=tokens is None)
-        try:
-            launch()
-            check_caches(x, k_out, cached, seq)
-            row["us"] = bench(launch)
-            row["over_floor"] = row["us"] / floor_us
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        log(f"  sweep {row}")
-        rows.append(row)
-    del x
-    empty_cache()
+            def launch(call=call, options=options):
+                call.kernel[tuple(call.grid)](**call.kwargs, num_warps=call.num_warps, **options)
+
+            config = kernel.launch_config(batch, Q_HEADS, KV_HEADS, seq, HEAD_DIM, 2, **tiles)
+            row = dict(S=seq, C=cached, B=batch, cos_sin="tables" if tables else "positions", maxnreg=maxnreg,
+                       tokens_per_program=config.tokens_per_program, heads_per_program=config.heads_per_program,
+                       num_warps=config.num_warps, qk_blocks_per_program=config.qk_blocks_per_program,
+                       default=not tables and not maxnreg and all(v is None for v in (tokens, heads, warps, per_program)))
+            try:
+                launch()
+                check_caches(x, k_out, cached, seq)
+                row["graph_us"] = bench_graph(launch)
+                row["over_floor"] = row["graph_us"] / floor_us
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            log(f"  sweep {row}")
+            rows.append(row)
+        del x, q_out, k_out, cos, sin
+        empty_cache()
     return rows
 
 
@@ -420,11 +434,15 @@ def markdown(result: dict) -> str:
     m = result["suite_means"]
     lines.append("| **mean** | | | " + " | ".join(fmt(m.get(k)) for k in TIME_KEYS) + " | | | |")
     if result.get("sweep"):
-        lines += ["", f"Launcher sweep on (S, C, B) = {SWEEP_CASE}:", "",
-                  "| tokens | heads | warps | µs | / floor | default rule |", "|---|---|---|---|---|---|"]
+        lines += ["", "Launcher sweep (CUDA-graph replay):", "",
+                  "| S | C | B | cos/sin | tokens | heads | warps | q/k blocks per program | maxnreg | µs | / floor "
+                  "| default rule |", "|" + "---|" * 12]
         for row in result["sweep"]:
-            lines.append(f"| {row['tokens_per_program']} | {row['heads_per_program']} | {row['num_warps']} | "
-                         f"{fmt(row.get('us'))} | {fmt(row.get('over_floor'), 2)} | {'yes' if row.get('default') else ''} |")
+            lines.append(f"| {row['S']} | {row['C']} | {row['B']} | {row['cos_sin']} | {row['tokens_per_program']} | "
+                         f"{row['heads_per_program']} | {row['num_warps']} | {row['qk_blocks_per_program']} | "
+                         f"{row.get('maxnreg') or ''} | "
+                         f"{fmt(row.get('graph_us'))} | {fmt(row.get('over_floor'), 2)} | "
+                         f"{'yes' if row.get('default') else ''} |")
     errors = [(c["S"], c["C"], c["B"], c["errors"]) for c in result["cases"] if c.get("errors")]
     if errors:
         lines += ["", "Failures:", ""] + [f"- ({s}, {cc}, {b}): {e}" for s, cc, b, e in errors]
@@ -496,6 +514,7 @@ def main() -> None:
     parser.add_argument("--cases", choices=["all", "quick"], default="all")
     parser.add_argument("--skip-compile", action="store_true", help="time only eager and the kernels")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launcher tile sweep")
+    parser.add_argument("--sweep-only", action="store_true", help="run only the launcher tile sweep")
     parser.add_argument("--stock-from", default=None,
                         help="take the stock torch.compile columns from this earlier result JSON (same GPU, torch "
                              "and triton: stock Inductor does not depend on this project) instead of compiling them")
@@ -522,7 +541,7 @@ def main() -> None:
         stock_from = {(c["S"], c["C"], c["B"]): c for c in earlier["cases"]}
         log(f"stock torch.compile columns taken from {args.stock_from} ({earlier.get('date')})")
     cases = []
-    for i, (seq, cached, batch) in enumerate(CASES if args.cases == "all" else QUICK_CASES):
+    for i, (seq, cached, batch) in enumerate([] if args.sweep_only else CASES if args.cases == "all" else QUICK_CASES):
         t0 = time.perf_counter()
         log(f"case S={seq} C={cached} B={batch}")
         try:
@@ -557,7 +576,8 @@ def main() -> None:
     with open(base + ".md", "w") as f:
         f.write(markdown(result))
     log(f"wrote {base}.json, {base}.md")
-    plot(result, base + ".png")
+    if cases:
+        plot(result, base + ".png")
     log("suite means (µs): " + ", ".join(f"{k}={v:.1f}" for k, v in result["suite_means"].items()))
     log(f"total {time.perf_counter() - start:.0f} s")
 

@@ -139,6 +139,11 @@ from .triton_call import TritonCall, named_args
 TILE_ELEMENTS = 4096
 #: Warps per program.
 NUM_WARPS = 4
+#: Launches that compute cos/sin from positions with more tokens (B x S) than this give each program
+#: one token and every q/k head block of it, so the angles are computed once per token; smaller
+#: ones two tokens and one head block per program. Chosen on the H200's sweep of 2026-12-01
+#: (``benchmarks/NOTES-forward.md``, session 10).
+POSITIONS_ONE_TOKEN_ABOVE = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,6 +254,34 @@ def _load_cos_sin(
         sin1 = tl.load(sin_row, mask=mask, other=0.0).to(tl.float32)
         sin2 = tl.load(sin_row + HALF, mask=mask, other=0.0).to(tl.float32)
         return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _block_cos_sin(
+    first, cos_t, sin_t, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask,
+    offs_d, d_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
+    attention_scaling,
+    dtype: tl.constexpr, HALF: tl.constexpr, ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """cos/sin tiles of one head block (``_load_cos_sin``), and the computed tables carried to the
+    program's next block: ``(cos1, cos2, sin1, sin2, cos_t, sin_t)``. Computed from positions in
+    the ``first`` block only, after that block's loads are issued (the transcendentals overlap
+    their latency), then reused; tensor tables are loaded for every block (L1 hits)."""
+    if ROPE_FROM_POSITIONS:
+        if first:
+            cos_t, _, sin_t, _ = _load_cos_sin(
+                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
+                stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, attention_scaling,
+                dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
+            )
+        return cos_t, cos_t, sin_t, sin_t, cos_t, sin_t
+    else:
+        cos1, cos2, sin1, sin2 = _load_cos_sin(
+            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
+            stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, attention_scaling,
+            dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
+        )
+        return cos1, cos2, sin1, sin2, cos_t, sin_t
 
 
 @triton.jit
@@ -379,6 +412,22 @@ def _feature_offsets(offs_d, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
     return offs_1, offs_2, rotated
 
 
+@triton.jit
+def _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position, cache_len):
+    """(cache row of each token, whether it is written). Python indexing, as ``cache[:, :, pos] = k``
+    does: a negative position counts from the end. ``index_copy_`` raises on a position outside
+    [-L, L), and Inductor asserts its own indirect indexing: a device assert, compiled in when the
+    launch asks for asserts (Inductor's ``assert_indirect_indexing``, on by default; the eager op).
+    Without them the row is skipped, never written out of bounds (its row is clamped to 0)."""
+    positions = tl.load(cache_position_ptr + offs_s64 * stride_cache_position, mask=token_mask, other=0)
+    positions = positions.to(tl.int64)
+    positions = tl.where(positions < 0, positions + cache_len, positions)
+    in_range = (positions >= 0) & (positions < cache_len)
+    tl.device_assert(in_range | ~token_mask, "cache_position out of range [-L, L)")
+    position_ok = token_mask & in_range
+    return tl.where(position_ok, positions, 0), position_ok
+
+
 @triton.jit(do_not_specialize=["seq_len"])
 def _qk_norm_rope_cache_kernel(
     # tensors
@@ -404,6 +453,7 @@ def _qk_norm_rope_cache_kernel(
     HALF_BLOCK: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
+    QK_BLOCKS_PER_PROGRAM: tl.constexpr,
     ROPE_FROM_POSITIONS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr,
@@ -427,10 +477,12 @@ def _qk_norm_rope_cache_kernel(
         attention_scaling = tl.cast(attention_scaling, tl.float32)
 
     token_block = tl.program_id(0)
-    head_block = tl.program_id(1)
+    group = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
     q_head_blocks = (q_heads + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
     kv_head_blocks = (kv_heads + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
+    qk_head_blocks = q_head_blocks + kv_head_blocks
+    qk_groups = (qk_head_blocks + QK_BLOCKS_PER_PROGRAM - 1) // QK_BLOCKS_PER_PROGRAM
 
     offs_s = token_block * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
     token_mask = offs_s < seq_len
@@ -458,74 +510,70 @@ def _qk_norm_rope_cache_kernel(
         rotated = d_mask  # unused
         rot_mask = d_mask
 
-    if head_block < q_head_blocks:
-        # ---- q: norm + rope -> q_out
-        offs_h = (head_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
-        ht_mask = (offs_h < q_heads)[:, None] & token_mask[None, :]
-        x1, x2 = _load_pair_tiles(q_ptr, batch, offs_h, offs_s64, stride_q_b, stride_q_h, stride_q_s, offs_1, offs_2,
-                                  ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM,
-                                  SECOND_OFFSETS, INTERLEAVED)
-        cos1, cos2, sin1, sin2 = _load_cos_sin(
-            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, rot_mask,
-            stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-            attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
-        )
-        out1, out2 = _norm_rope(
-            x1, x2, q_weight_ptr, offs_1, offs_2, d_mask, rotated, q_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM,
-            HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
-        )
-        _store_pair_tiles(q_out_ptr, batch, offs_h, offs_s64, stride_qo_b, stride_qo_h, stride_qo_s, offs_1, offs_2,
-                          ht_mask, d_mask3, out1.to(dtype), out2.to(dtype), HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
-                          TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+    # The cache rows of this program's tokens (k and v programs write them), in one place: every
+    # tl.device_assert site ends with a barrier.
+    positions, position_ok = _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position, cache_len)
+    if group < qk_groups:
+        # ---- q and k: QK_BLOCKS_PER_PROGRAM head blocks of this program's tokens, q blocks first
+        # cos/sin computed from positions: in the first block, shared by the later ones (``_block_cos_sin``).
+        cos_t = tl.zeros([1, TOKENS_PER_PROGRAM, HALF_BLOCK], dtype=tl.float32)
+        sin_t = tl.zeros([1, TOKENS_PER_PROGRAM, HALF_BLOCK], dtype=tl.float32)
+        for i in range(QK_BLOCKS_PER_PROGRAM):
+            head_block = group * QK_BLOCKS_PER_PROGRAM + i
+            if head_block < q_head_blocks:
+                # ---- q: norm + rope -> q_out
+                offs_h = (head_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
+                ht_mask = (offs_h < q_heads)[:, None] & token_mask[None, :]
+                x1, x2 = _load_pair_tiles(q_ptr, batch, offs_h, offs_s64, stride_q_b, stride_q_h, stride_q_s, offs_1,
+                                          offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
+                                          TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+                cos1, cos2, sin1, sin2, cos_t, sin_t = _block_cos_sin(
+                    i == 0, cos_t, sin_t, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64,
+                    token_mask, offs_d, rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b,
+                    stride_pos_s, attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
+                )
+                out1, out2 = _norm_rope(
+                    x1, x2, q_weight_ptr, offs_1, offs_2, d_mask, rotated, q_eps, cos1, cos2, sin1, sin2, dtype,
+                    HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
+                )
+                _store_pair_tiles(q_out_ptr, batch, offs_h, offs_s64, stride_qo_b, stride_qo_h, stride_qo_s, offs_1,
+                                  offs_2, ht_mask, d_mask3, out1.to(dtype), out2.to(dtype), HALF, HALF_BLOCK,
+                                  HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+            elif head_block < qk_head_blocks:
+                # ---- k: norm + rope -> k_out and k_cache
+                offs_h = ((head_block - q_head_blocks) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
+                head_ok = offs_h < kv_heads
+                ht_mask = head_ok[:, None] & token_mask[None, :]
+                x1, x2 = _load_pair_tiles(k_ptr, batch, offs_h, offs_s64, stride_k_b, stride_k_h, stride_k_s, offs_1,
+                                          offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
+                                          TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+                cos1, cos2, sin1, sin2, cos_t, sin_t = _block_cos_sin(
+                    i == 0, cos_t, sin_t, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64,
+                    token_mask, offs_d, rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b,
+                    stride_pos_s, attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
+                )
+                out1, out2 = _norm_rope(
+                    x1, x2, k_weight_ptr, offs_1, offs_2, d_mask, rotated, k_eps, cos1, cos2, sin1, sin2, dtype,
+                    HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
+                )
+                out1 = out1.to(dtype)
+                out2 = out2.to(dtype)
+                _store_pair_tiles(k_out_ptr, batch, offs_h, offs_s64, stride_ko_b, stride_ko_h, stride_ko_s, offs_1,
+                                  offs_2, ht_mask, d_mask3, out1, out2, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
+                                  TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+                _store_pair_tiles(k_cache_ptr, batch, offs_h, positions, stride_kc_b, stride_kc_h, stride_kc_l, offs_1,
+                                  offs_2, head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF,
+                                  HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
     else:
-        # ---- k or v: this program's tokens also own cache rows
-        positions = tl.load(cache_position_ptr + offs_s64 * stride_cache_position, mask=token_mask, other=0)
-        positions = positions.to(tl.int64)
-        # Python indexing, as ``cache[:, :, pos] = k`` does: a negative position counts from the end.
-        positions = tl.where(positions < 0, positions + cache_len, positions)
-        in_range = (positions >= 0) & (positions < cache_len)
-        # index_copy_ raises here, and Inductor asserts its own indirect indexing: a device assert,
-        # compiled in when the launch asks for asserts (Inductor's ``assert_indirect_indexing``, on
-        # by default; the eager op). Without them the row is skipped, never written out of bounds.
-        tl.device_assert(in_range | ~token_mask, "cache_position out of range [-L, L)")
-        position_ok = token_mask & in_range
-        positions = tl.where(position_ok, positions, 0)  # no pointer is ever formed out of bounds
-        kv_block = head_block - q_head_blocks
-        if kv_block < kv_head_blocks:
-            # ---- k: norm + rope -> k_out and k_cache
-            offs_h = (kv_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
-            head_ok = offs_h < kv_heads
-            ht_mask = head_ok[:, None] & token_mask[None, :]
-            x1, x2 = _load_pair_tiles(k_ptr, batch, offs_h, offs_s64, stride_k_b, stride_k_h, stride_k_s, offs_1,
-                                      offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
-                                      TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-            cos1, cos2, sin1, sin2 = _load_cos_sin(
-                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, rot_mask,
-                stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-                attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
-            )
-            out1, out2 = _norm_rope(
-                x1, x2, k_weight_ptr, offs_1, offs_2, d_mask, rotated, k_eps, cos1, cos2, sin1, sin2, dtype, HEAD_DIM,
-                HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
-            )
-            out1 = out1.to(dtype)
-            out2 = out2.to(dtype)
-            _store_pair_tiles(k_out_ptr, batch, offs_h, offs_s64, stride_ko_b, stride_ko_h, stride_ko_s, offs_1,
-                              offs_2, ht_mask, d_mask3, out1, out2, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
-                              TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-            _store_pair_tiles(k_cache_ptr, batch, offs_h, positions, stride_kc_b, stride_kc_h, stride_kc_l, offs_1,
-                              offs_2, head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF, HALF_BLOCK,
-                              HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-        else:
-            # ---- v: copy into v_cache (raw values, no math); v rows of skipped positions are not read
-            offs_h = ((kv_block - kv_head_blocks) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
-            cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
-            src = v_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_v_b, stride_v_h, stride_v_s, offs_d)
-            v1 = tl.load(src, mask=cache_mask, other=0.0, eviction_policy="evict_first")
-            v2 = tl.load(src + HALF, mask=cache_mask, other=0.0, eviction_policy="evict_first")
-            dst = v_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_vc_b, stride_vc_h, stride_vc_l, offs_d)
-            tl.store(dst, v1, mask=cache_mask)
-            tl.store(dst + HALF, v2, mask=cache_mask)
+        # ---- v: copy into v_cache (raw values, no math); v rows of skipped positions are not read
+        offs_h = ((group - qk_groups) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
+        cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
+        src = v_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_v_b, stride_v_h, stride_v_s, offs_d)
+        v1 = tl.load(src, mask=cache_mask, other=0.0, eviction_policy="evict_first")
+        v2 = tl.load(src + HALF, mask=cache_mask, other=0.0, eviction_policy="evict_first")
+        dst = v_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_vc_b, stride_vc_h, stride_vc_l, offs_d)
+        tl.store(dst, v1, mask=cache_mask)
+        tl.store(dst + HALF, v2, mask=cache_mask)
 
 
 @triton.jit(do_not_specialize=["seq_len"])
@@ -553,6 +601,7 @@ def _qk_norm_rope_cache_graph_kernel(
     HALF_BLOCK: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
+    QK_BLOCKS_PER_PROGRAM: tl.constexpr,
     ROPE_FROM_POSITIONS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr,
@@ -574,7 +623,8 @@ def _qk_norm_rope_cache_graph_kernel(
         STRIDE_VC_B, STRIDE_VC_H, STRIDE_VC_L, stride_cos_b, STRIDE_COS_S, stride_sin_b, STRIDE_SIN_S,
         stride_pos_b, STRIDE_POS_S, STRIDE_CACHE_POSITION,
         Q_EPS, K_EPS, ATTENTION_SCALING,
-        HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, ROPE_FROM_POSITIONS, INTERPRETED,
+        HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, QK_BLOCKS_PER_PROGRAM, ROPE_FROM_POSITIONS,
+        INTERPRETED,
         NORM_STYLE, ROPE_FIRST, ROTARY_DIM, INTERLEAVED,
     )
 
@@ -591,8 +641,9 @@ class LaunchConfig:
     half_block: int  # next_pow2(D / 2): the feature tile of each RoPE half
     heads_per_program: int
     tokens_per_program: int
+    qk_blocks_per_program: int  # q/k head blocks one program does in turn (sharing its cos/sin)
     num_warps: int
-    grid: tuple  # (token blocks, q + k + v head blocks, batch): ints, or SymInts for dynamic shapes
+    grid: tuple  # (token blocks, q/k programs + v head blocks, batch): ints, or SymInts for dynamic shapes
 
 
 @functools.lru_cache(maxsize=4096)
@@ -627,6 +678,8 @@ def launch_config(
     tokens_per_program: int | None = None,
     heads_per_program: int | None = None,
     num_warps: int | None = None,
+    qk_blocks_per_program: int | None = None,
+    rope_from_positions: bool = False,
 ) -> LaunchConfig:
     """Pick the tile and grid for q [B, Hq, S, D] and k/v [B, Hkv, S, D] (element_size in bytes).
 
@@ -636,13 +689,26 @@ def launch_config(
     ``batch`` and ``seq_len`` may be SymInts (dynamic shapes): a symbolic S takes
     ``tokens = rows // heads`` (no guard on S, so no recompile per length) and the grid is an
     expression of B and S. The overrides (powers of two) exist for tuning sweeps and tests.
+
+    ``rope_from_positions`` (the kernel computes cos/sin): above ``POSITIONS_ONE_TOKEN_ABOVE``
+    tokens (B x S, concrete), one token and all ``cdiv(Hq, heads) + cdiv(Hkv, heads)`` q/k head
+    blocks per program, each program computing its token's angles once; otherwise (and for a
+    symbolic B or S) ``tokens = min(2, next_pow2(S))``, one head block per program.
     """
+    if rope_from_positions and tokens_per_program is None and qk_blocks_per_program is None:
+        concrete = isinstance(batch, int) and isinstance(seq_len, int)
+        if concrete and batch * seq_len > POSITIONS_ONE_TOKEN_ABOVE:
+            tokens_per_program, qk_blocks_per_program = 1, q_heads + kv_heads  # clamped to the block count below
+        else:
+            tokens_per_program = 1 if isinstance(seq_len, int) and seq_len < 2 else 2
     half_block, heads, tokens, num_warps = _tile(
         kv_heads, seq_len if isinstance(seq_len, int) else None, head_dim, element_size, tokens_per_program,
         heads_per_program, num_warps)
-    head_blocks = triton.cdiv(q_heads, heads) + 2 * triton.cdiv(kv_heads, heads)
-    grid = ((seq_len + tokens - 1) // tokens, head_blocks, batch)
-    return LaunchConfig(half_block, heads, tokens, num_warps, grid)
+    qk_blocks = triton.cdiv(q_heads, heads) + triton.cdiv(kv_heads, heads)
+    per_program = min(qk_blocks, qk_blocks_per_program or 1)
+    programs = triton.cdiv(qk_blocks, per_program) + triton.cdiv(kv_heads, heads)
+    grid = ((seq_len + tokens - 1) // tokens, programs, batch)
+    return LaunchConfig(half_block, heads, tokens, per_program, num_warps, grid)
 
 
 def _batch_stride(t: torch.Tensor):
@@ -678,6 +744,7 @@ def cache_kernel_call(
     tokens_per_program: int | None = None,
     heads_per_program: int | None = None,
     num_warps: int | None = None,
+    qk_blocks_per_program: int | None = None,
     in_graph: bool = False,
 ) -> TritonCall:
     """The kernel launch for these (real or fake) tensors, with every argument named.
@@ -698,9 +765,9 @@ def cache_kernel_call(
     """
     batch, q_heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
-    config = launch_config(batch, q_heads, kv_heads, seq_len, head_dim, q.element_size(), tokens_per_program,
-                           heads_per_program, num_warps)
     from_positions = position_ids is not None
+    config = launch_config(batch, q_heads, kv_heads, seq_len, head_dim, q.element_size(), tokens_per_program,
+                           heads_per_program, num_warps, qk_blocks_per_program, from_positions)
     if from_positions:
         cos_strides = sin_strides = (0, 0)
         pos_strides = (_batch_stride(position_ids), position_ids.stride(1))
@@ -727,6 +794,7 @@ def cache_kernel_call(
         HALF_BLOCK=config.half_block,
         HEADS_PER_PROGRAM=config.heads_per_program,
         TOKENS_PER_PROGRAM=config.tokens_per_program,
+        QK_BLOCKS_PER_PROGRAM=config.qk_blocks_per_program,
         ROPE_FROM_POSITIONS=from_positions,
         INTERPRETED=interpreting(),
         NORM_STYLE=NORM_STYLES.index(norm),
@@ -776,6 +844,7 @@ def qk_norm_rope_cache_triton(
     tokens_per_program: int | None = None,
     heads_per_program: int | None = None,
     num_warps: int | None = None,
+    qk_blocks_per_program: int | None = None,
     norm: str = "weight",
     rope_first: bool = False,
     rotary_dim: int | None = None,
@@ -799,8 +868,8 @@ def qk_norm_rope_cache_triton(
         q_out, k_out: outputs shaped like q and k (any strides, ``stride(-1) == 1``).
         check_positions: compile the launch with device asserts (Triton's ``debug``, without its
             integer-overflow checks, as Inductor compiles kernels). The interpreter skips asserts.
-        tokens_per_program, heads_per_program, num_warps: tuning overrides (powers of two);
-            default ``launch_config``'s rule.
+        tokens_per_program, heads_per_program, num_warps, qk_blocks_per_program: tuning overrides
+            (the first three powers of two); default ``launch_config``'s rule.
         norm: the RMSNorm form, one of ``NORM_STYLES`` (the kernel's ``NORM_STYLE`` constexpr).
         rope_first: RoPE before the norm (HunYuan's order; the ``ROPE_FIRST`` constexpr).
         rotary_dim: features rotated, the first R of D (partial rotary; the ``ROTARY_DIM``
@@ -816,6 +885,7 @@ def qk_norm_rope_cache_triton(
         q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
         norm=norm, rope_first=rope_first, rotary_dim=rotary_dim, interleaved=interleaved,
         tokens_per_program=tokens_per_program, heads_per_program=heads_per_program, num_warps=num_warps,
+        qk_blocks_per_program=qk_blocks_per_program,
     ).run(device_asserts=check_positions)
 
 
@@ -839,6 +909,7 @@ def qk_norm_rope_cache_from_positions_triton(
     tokens_per_program: int | None = None,
     heads_per_program: int | None = None,
     num_warps: int | None = None,
+    qk_blocks_per_program: int | None = None,
     check_positions: bool = True,
 ) -> None:
     """As ``qk_norm_rope_cache_triton``, with cos/sin computed in the kernel (Hugging Face rotary).
@@ -868,6 +939,7 @@ def qk_norm_rope_cache_from_positions_triton(
         q, k, v, q_weight, k_weight, None, None, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
         position_ids=position_ids, inv_freq=inv_freq, attention_scaling=attention_scaling,
         tokens_per_program=tokens_per_program, heads_per_program=heads_per_program, num_warps=num_warps,
+        qk_blocks_per_program=qk_blocks_per_program,
     ).run(device_asserts=check_positions)
 
 

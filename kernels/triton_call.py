@@ -41,6 +41,11 @@ def _with_num_warps(kernel: triton.runtime.JITFunction, num_warps: int):
     return triton.autotune(configs=[triton.Config({}, num_warps=num_warps)], key=[])(kernel)
 
 
+def side_table_index(kernel: triton.runtime.JITFunction, num_warps: int) -> int:
+    """The ``kernel_idx`` of the functional Triton HOP that launches ``kernel`` with ``num_warps``."""
+    return kernel_side_table.add_kernel(_with_num_warps(kernel, num_warps))
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonCall:
     """A launch of ``kernel`` over ``grid`` with every argument named in ``kwargs``.
@@ -80,7 +85,7 @@ class TritonCall:
                 raise ValueError(f"written: {name!r} is not a tensor argument of {self.kernel.__name__}")
         grid = tuple(self.grid) + (1,) * (3 - len(self.grid))
         return triton_kernel_wrapper_functional(
-            kernel_idx=kernel_side_table.add_kernel(_with_num_warps(self.kernel, self.num_warps)),
+            kernel_idx=side_table_index(self.kernel, self.num_warps),
             constant_args_idx=kernel_side_table.add_constant_args({}),
             grid=[grid],
             tma_descriptor_metadata={},

@@ -261,6 +261,7 @@ def test_strided_caches_and_outputs_write_nothing_outside():
         (96, {}),  # non-power-of-two D: the half (48) is padded to 64 and masked
         (48, dict(tokens_per_program=2)),
         (16, {}),
+        (64, dict(heads_per_program=2, qk_blocks_per_program=2)),  # 3 q + 1 k blocks: a q/k program, a tail
     ],
 )
 def test_partial_tiles(head_dim, overrides):
@@ -280,7 +281,8 @@ def test_no_query_heads_still_writes_k_out_and_both_caches():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("position_batch,scaling", [(2, 1.0), (1, 0.7071)])
-def test_from_positions(dtype, position_batch, scaling):
+@pytest.mark.parametrize("qk_blocks_per_program", [1, 2, 3])
+def test_from_positions(dtype, position_batch, scaling, qk_blocks_per_program):
     """cos/sin computed in the kernel from position_ids and inv_freq, positions up to 262143."""
     batch, head_dim, length = 2, 64, 64
     case = make_case(batch=batch, q_heads=4, kv_heads=2, seq=7, head_dim=head_dim, cache_len=length, dtype=dtype,
@@ -295,6 +297,7 @@ def test_from_positions(dtype, position_batch, scaling):
     kernel.qk_norm_rope_cache_from_positions_triton(
         case["q"], case["k"], case["v"], case["q_weight"], case["k_weight"], position_ids, inv_freq, scaling,
         case["k_cache"], case["v_cache"], case["cache_position"], EPS_Q, EPS_K, q_out, k_out,
+        qk_blocks_per_program=qk_blocks_per_program,
     )
     cos, sin = kernel.rope_cos_sin_reference(position_ids, inv_freq, scaling, dtype)
     # One more ulp than the tensor path: an fp32 cos/sin one ulp off can flip its own rounding.
@@ -345,6 +348,23 @@ def test_launch_config_rule():
     assert len(constexprs) == 1
     if not INTERPRETED:
         assert "seq_len" in kernel._qk_norm_rope_cache_kernel.do_not_specialize
+
+
+def test_launch_config_rule_when_the_kernel_computes_cos_sin():
+    # Above POSITIONS_ONE_TOKEN_ABOVE tokens: one token and all 13 q/k head blocks per program
+    # (12 q + 1 k), each program computing its token's angles once; v keeps one block per program.
+    big = kernel.launch_config(1, 96, 8, 4096, 128, 2, rope_from_positions=True)
+    assert (big.tokens_per_program, big.qk_blocks_per_program, big.num_warps) == (1, 13, 2)
+    assert big.grid == (4096, 1 + 1, 1)
+    at_threshold = kernel.launch_config(8, 96, 8, kernel.POSITIONS_ONE_TOKEN_ABOVE // 8, 128, 2,
+                                        rope_from_positions=True)
+    assert (at_threshold.tokens_per_program, at_threshold.qk_blocks_per_program) == (2, 1)
+    assert at_threshold.grid == (kernel.POSITIONS_ONE_TOKEN_ABOVE // 16, 14, 8)
+    decode = kernel.launch_config(4, 96, 8, 1, 128, 2, rope_from_positions=True)
+    assert (decode.tokens_per_program, decode.qk_blocks_per_program, decode.grid) == (1, 1, (1, 14, 4))
+    # Overrides win over the rule.
+    tuned = kernel.launch_config(1, 96, 8, 4096, 128, 2, tokens_per_program=4, rope_from_positions=True)
+    assert (tuned.tokens_per_program, tuned.qk_blocks_per_program) == (4, 1)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True,

@@ -12,11 +12,12 @@ import copy
 
 import pytest
 import torch
-from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fusion_pass
+from fusion_pass.kernels import qk_norm_rope_cache_triton as cache_kernel
 from fusion_pass.kernels import triton_device
 from fusion_pass.patterns import qk_norm_rope_cache as forward_pattern
 from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
@@ -114,6 +115,14 @@ def test_rotary_tables_move_into_the_kernel(rotary, scaling):
     _, eager_kwargs = hop.meta["eager_input_vals"]  # the strides Inductor enforces: the same containers
     assert type(eager_kwargs["kwargs"]) is type(hop.kwargs["kwargs"])
     assert eager_kwargs["kwargs"]["position_ids_ptr"] is launch["position_ids_ptr"].meta["val"]
+    # The tile and grid are those launch_config picks for a kernel that computes the angles.
+    q, k = launch["q_out_ptr"].meta["val"], launch["k_out_ptr"].meta["val"]
+    config = cache_kernel.launch_config(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], q.element_size(),
+                                        rope_from_positions=True)
+    assert (launch["TOKENS_PER_PROGRAM"], launch["QK_BLOCKS_PER_PROGRAM"]) == (
+        config.tokens_per_program, config.qk_blocks_per_program)
+    assert list(hop.kwargs["grid"]) == [tuple(config.grid)] and eager_kwargs["grid"] == hop.kwargs["grid"]
+    assert kernel_side_table.get_kernel(hop.kwargs["kernel_idx"]).configs[0].num_warps == config.num_warps
     lowered = copy.deepcopy(fused)  # torch 2.11 raised here on a plain dict in eager_input_vals
     decompose_triton_kernel_wrapper_functional(lowered.graph)
     args = inputs(position_vector=vector, inv_freq_dtype=freq_dtype)
