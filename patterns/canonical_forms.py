@@ -9,14 +9,17 @@ model code                                              canonical form
 ======================================================  ==========================================
 ``x.float()`` twice of one tensor                       one cast, its users shared
 ``h * h`` (``torch.mean(h * h, -1)``)                   ``h.pow(2)`` (eager computes ``h * h``)
+``1 / torch.sqrt(v)``                                   ``torch.rsqrt(v)`` (exact on CPU; see below)
 ``normed.to(dtype) * weight``                           ``weight * normed.to(dtype)``
 ``x.chunk(2, -1)``, ``torch.split(x, D // 2, -1)``      ``x[..., :D // 2]``, ``x[..., D // 2:]``
+``x.unflatten(-1, (2, -1)).unbind(-2)``                 the same two slices
 (training) ``rotate_half``'s backward sum, first half   the second half's term first
 first (its slices taken second half first)
 ======================================================  ==========================================
 
 Each rewrite is local and value-preserving, so a graph that then matches nothing computes what
-it did before (the nodes differ, the values do not).
+it did before (the nodes differ, the values do not). One exception, on CUDA only: ``1 / sqrt`` and
+``rsqrt`` may differ by an fp32 ulp there (``reciprocal_square_roots_as_rsqrt``).
 """
 
 from __future__ import annotations
@@ -69,6 +72,32 @@ def square_products_as_pow(graph: torch.fx.Graph) -> int:
     return rewritten
 
 
+def reciprocal_square_roots_as_rsqrt(graph: torch.fx.Graph) -> int:
+    """``1 / torch.sqrt(v)`` (``reciprocal(sqrt(v)) * 1`` once traced) -> ``rsqrt(v)``. torch's CPU
+    ``rsqrt`` is ``1 / sqrt`` (the same value). On CUDA, eager's ``rsqrtf`` and ``sqrt`` + divide
+    may differ by an fp32 ulp in the statistic, the size of the difference the kernel's reduction
+    order already makes (``kernels/qk_norm_rope_cache_triton.py``, "Rounding and exactness")."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.reciprocal.default:
+            continue
+        root = node.args[0]
+        if not isinstance(root, torch.fx.Node) or root.target is not aten.sqrt.default or len(root.users) != 1:
+            continue
+        with graph.inserting_before(node):
+            rsqrt = graph.call_function(aten.rsqrt.default, (root.args[0],))
+        rsqrt.meta.update(node.meta)
+        for user in list(node.users):  # Python's ``1 / t`` traces as reciprocal(t) * 1
+            if user.target is aten.mul.Tensor and user.args == (node, 1) and not user.kwargs:
+                user.replace_all_uses_with(rsqrt)
+                graph.erase_node(user)
+        node.replace_all_uses_with(rsqrt)
+        graph.erase_node(node)
+        graph.erase_node(root)
+        rewritten += 1
+    return rewritten
+
+
 def weight_first_products(graph: torch.fx.Graph) -> int:
     """``mul(normed.to(dtype), weight)`` -> ``mul(weight, normed.to(dtype))`` where ``weight`` is
     a 1-D graph input (a norm weight) and the other factor a cast to bf16/fp16: a product of two
@@ -118,6 +147,58 @@ def half_splits_as_slices(graph: torch.fx.Graph) -> int:
     return rewritten
 
 
+def _halves_view(view: torch.fx.Node, dim) -> torch.fx.Node | None:
+    """``x`` where ``view`` is ``x.reshape(*x.shape[:-1], 2, D // 2)`` and ``dim`` its size-2 axis
+    (``x.unflatten(-1, (2, -1))``), else None."""
+    if not isinstance(view, torch.fx.Node) or view.target not in (aten.reshape.default, aten.view.default):
+        return None
+    x, out = view.args[0], _val(view)
+    x_val = _val(x)
+    if not (isinstance(x_val, torch.Tensor) and isinstance(out, torch.Tensor) and isinstance(dim, int)):
+        return None
+    if out.dim() != x_val.dim() + 1 or dim % out.dim() != out.dim() - 2:
+        return None
+    if list(out.shape[:-2]) != list(x_val.shape[:-1]) or out.shape[-2] != 2 or 2 * out.shape[-1] != x_val.shape[-1]:
+        return None
+    return x
+
+
+def half_unbinds_as_slices(graph: torch.fx.Graph) -> int:
+    """``x.unflatten(-1, (2, -1)).unbind(-2)`` read by ``getitem`` 0 and 1 (or ``select`` 0/1 of
+    that view) -> the slices ``x[..., :D // 2]`` and ``x[..., D // 2:]``: the same elements."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.unbind.int:
+            x = _halves_view(node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
+            users = list(node.users)
+            if x is None or not all(u.target is operator.getitem and u.args[1] in (0, 1) for u in users):
+                continue
+            pieces = [(u, u.args[1]) for u in users]
+        elif node.target is aten.select.int:
+            x = _halves_view(node.args[0], node.args[1])
+            if x is None or node.args[2] not in (0, 1, -1, -2):
+                continue
+            pieces = [(node, node.args[2] % 2)]
+        else:
+            continue
+        size, view = _val(x).shape[-1] // 2, node.args[0]
+        for user, index in pieces:
+            start, end = (0, size) if index == 0 else (size, sys.maxsize)
+            with graph.inserting_before(user):
+                piece = graph.call_function(aten.slice.Tensor, (x, _val(x).dim() - 1, start, end))
+            piece.meta.update(user.meta)
+            user.replace_all_uses_with(piece)
+            graph.erase_node(user)
+        if node.target is aten.unbind.int:
+            graph.erase_node(node)
+        if not view.users:  # a dead user of x would keep x's other users from matching
+            graph.erase_node(view)
+        rewritten += 1
+    return rewritten
+
+
 def scatter_sums_second_half_first(graph: torch.fx.Graph) -> int:
     """In the backward of ``rotate_half``, ``slice_scatter(g, first half) + slice_scatter(g',
     second half)`` -> the second half's term first, as autograd orders it when ``rotate_half``
@@ -139,5 +220,6 @@ def scatter_sums_second_half_first(graph: torch.fx.Graph) -> int:
 
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Apply every rewrite above to ``graph``; returns how many nodes were rewritten."""
-    return (merge_duplicate_casts(graph) + square_products_as_pow(graph) + weight_first_products(graph)
-            + half_splits_as_slices(graph))
+    return (merge_duplicate_casts(graph) + square_products_as_pow(graph) + reciprocal_square_roots_as_rsqrt(graph)
+            + weight_first_products(graph)
+            + half_splits_as_slices(graph) + half_unbinds_as_slices(graph))

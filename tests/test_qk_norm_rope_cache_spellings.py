@@ -36,6 +36,12 @@ def rms_norm_weight_after(x, weight, eps):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+def rms_norm_reciprocal_sqrt(x, weight, eps):
+    """``1 / torch.sqrt(var + eps)`` instead of ``torch.rsqrt``."""
+    h = x.float()
+    return weight * (h * (1 / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
 def rotate_half_slices(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)
@@ -51,9 +57,20 @@ def rotate_half_split(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate_half_unflatten(x):
+    x1, x2 = x.unflatten(-1, (2, -1)).unbind(-2)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_half_select(x):
+    halves = x.view(*x.shape[:-1], 2, x.shape[-1] // 2)
+    return torch.cat((-halves[..., 1, :], halves[..., 0, :]), dim=-1)
+
+
 NORMS = {"qwen3": rms_norm_qwen3, "two_casts": rms_norm_two_casts, "mean_of_product": rms_norm_mean_of_product,
-         "weight_after": rms_norm_weight_after}
-ROTATIONS = {"slices": rotate_half_slices, "chunk": rotate_half_chunk, "split": rotate_half_split}
+         "weight_after": rms_norm_weight_after, "reciprocal_sqrt": rms_norm_reciprocal_sqrt}
+ROTATIONS = {"slices": rotate_half_slices, "chunk": rotate_half_chunk, "split": rotate_half_split,
+             "unflatten": rotate_half_unflatten, "select": rotate_half_select}
 
 
 class SpelledPrologue(nn.Module):
