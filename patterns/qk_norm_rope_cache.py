@@ -344,17 +344,17 @@ _GEOMETRIES = (("bshd", "dense"), ("bhsd", "dense"), ("bshd", "paged"), ("bshd",
                ("tokens", "paged"), ("tokens", "flat"))
 # Every norm form with every layout and cache write: one registration each (two for a norm
 # whose graph differs for strided inputs); then RoPE before the norm: HunYuan's norm (the
-# Qwen3 form) on the layouts where RoPE can run first; then partial rotary with the Qwen3 norm
-# before the transpose and a dense cache (GLM-4.5's Glm4MoeAttention with a StaticCache), and
-# interleaved pairs (GLM's RoPE) in the same place.
+# Qwen3 form) on the layouts where RoPE can run first; then partial rotary with every norm form
+# before the transpose and a dense cache (GLM-4.5's Glm4MoeAttention, Qwen3-Next's and Qwen3.5's
+# (1 + weight) norm, with a StaticCache), and interleaved pairs (GLM's RoPE) in the same place.
 VARIANTS = tuple(
     Variant(layout, cache, norm, strided)
     for norm, form in NORM_FORMS.items()
     for layout, cache in _GEOMETRIES
     for strided in ((False, True) if form.copies_strided_input and layout == "bhsd" else (False,))
 ) + tuple(Variant(layout, cache, "qwen3", rope_first=True)
-          for layout, cache in _GEOMETRIES if layout != "bshd") + (
-    Variant("bshd", "dense", "qwen3", partial_rope=True),
+          for layout, cache in _GEOMETRIES if layout != "bshd") + tuple(
+    Variant("bshd", "dense", norm, partial_rope=True) for norm in NORM_FORMS) + (
     Variant("bshd", "dense", "qwen3", interleaved=True),
 )
 

@@ -39,6 +39,8 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
 from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb as glm4_moe_apply_rotary_pos_emb
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb as qwen3_next_apply_rotary_pos_emb
 
 from fusion_pass.demo import RMSNorm, apply_rotary_pos_emb
 
@@ -321,6 +323,40 @@ class Glm4MoePrologue(nn.Module):
         k_cache.index_copy_(2, cache_position, key_states)  # StaticCache.update
         v_cache.index_copy_(2, cache_position, value_states)
         return query_states, query_states.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+
+
+class Qwen3NextPrologue(nn.Module):
+    """``Qwen3NextAttention.forward`` (Qwen3-Next, Qwen3.5) up to the cache write, with a
+    ``StaticCache``-style write: the gated query (``torch.chunk`` of a projection twice as wide),
+    per-head ``Qwen3NextRMSNorm`` (``(1 + weight)`` in fp32), transpose, the partial-rotary
+    ``apply_rotary_pos_emb``, then ``index_copy_(2, cache_position, .)``. Inputs and outputs as
+    ``Glm4MoePrologue``'s."""
+
+    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=64, eps=1e-6):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(hidden, q_heads * head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.q_norm = Qwen3NextRMSNorm(head_dim, eps=eps)
+        self.k_norm = Qwen3NextRMSNorm(head_dim, eps=eps)
+        with torch.no_grad():  # its weights start at zero: (1 + 0) would hide a weight not applied
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.copy_(0.1 * torch.randn_like(norm.weight))
+
+    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2,
+                                         dim=-1)
+        query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states, key_states = qwen3_next_apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        k_cache.index_copy_(2, cache_position, key_states)  # StaticCache.update
+        v_cache.index_copy_(2, cache_position, value_states)
+        return query_states, (query_states.float().sum() + gate.float().sum() + k_cache.float().sum()
+                              + v_cache.float().sum())
 
 
 def make_glm_inputs(batch=2, seq=5, past=3, hidden=64, kv_heads=2, head_dim=64, rotary_dim=None, cache_len=24,

@@ -15,7 +15,7 @@ import fusion_pass
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference
 from compile_capture import assert_left_unfused, eager, fused_call, fused_count, run_fused
 from fused_op_calls import assert_op_call_matches_reference, random_op_args
-from prologue_variants import Glm4MoePrologue, make_glm_inputs
+from prologue_variants import Glm4MoePrologue, Qwen3NextPrologue, make_glm_inputs
 
 
 
@@ -59,6 +59,22 @@ def test_glm4_moe_partial_rotary_fuses_once_and_is_bit_exact(dtype, geometry):
     # changed them (random cache before), and eager agrees on every bit of them.
     position = int(inputs[5][0])
     assert not torch.equal(inputs[3][:, :, position], cache_before[:, :, position])
+
+
+@pytest.mark.parametrize("seq", [5, 1], ids=["prefill", "decode"])
+def test_qwen3_next_partial_rotary_with_its_one_plus_weight_norm_fuses_once_and_is_bit_exact(seq):
+    """Qwen3-Next / Qwen3.5: a quarter of the features rotated, the norm ``(1 + weight)`` in fp32,
+    the query a chunk of the gated projection (issue 16)."""
+    torch.manual_seed(0)
+    model = Qwen3NextPrologue(hidden=64, q_heads=4, kv_heads=2, head_dim=64).to(torch.bfloat16)
+    inputs = make_glm_inputs(batch=2, seq=seq, kv_heads=2, head_dim=64, rotary_dim=16)
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    call = fused_call(capture.after[0])
+    assert "rotary_dim=16" in call and "norm='fp32_one_plus_weight'" in call, call
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
 
 
 def test_full_rotary_graph_still_calls_the_op_without_rotary_dim():
