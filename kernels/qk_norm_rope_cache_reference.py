@@ -62,14 +62,18 @@ def torch_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: 
     return upcasted_result.type_as(x)
 
 
-def pow_rms_norm_no_weight_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``NeoMMERMSNorm(with_scale=False).forward`` (``torch.pow(ms, -0.5)``, no weight): x [..., D].
+def gemma3n_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``Gemma3nRMSNorm`` / ``Gemma4RMSNorm`` (``NeoMMERMSNorm``): x [..., D], weight [D] (None:
+    ``with_scale=False``) -> [..., D] in x's dtype; the fp32 weight product, one rounding.
 
-    ``pow(t, -0.5)`` is computed as ``rsqrt(t)`` by PyTorch's pow kernel (same bits).
+    The model writes ``torch.pow(ms, -0.5)``, which PyTorch's pow kernel computes as
+    ``rsqrt(ms)`` (same bits); written here with ``rsqrt``, as ``canonical_forms`` rewrites it.
     """
     hidden_states = x.float()
-    mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + eps
-    return (hidden_states * torch.pow(mean_squared, -0.5)).type_as(x)
+    output = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        output = output * weight.float()
+    return output.type_as(x)
 
 
 def norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, norm: str = "weight") -> torch.Tensor:

@@ -8,8 +8,10 @@ rewritten, exactly (the same values bit for bit), so that the others read as tha
 model code                                              canonical form
 ======================================================  ==========================================
 ``x.float()`` twice of one tensor                       one cast, its users shared
+``cos.unsqueeze(2)`` once per tensor rotated             one ``unsqueeze``, its users shared
 ``h * h`` (``torch.mean(h * h, -1)``)                   ``h.pow(2)`` (eager computes ``h * h``)
 ``1 / torch.sqrt(v)``                                   ``torch.rsqrt(v)`` (exact on CPU; see below)
+``torch.pow(v, -0.5)``                                  ``torch.rsqrt(v)`` (ATen's pow is rsqrt)
 ``normed.to(dtype) * weight``                           ``weight * normed.to(dtype)``
 ``x.chunk(2, -1)``, ``torch.split(x, D // 2, -1)``      ``x[..., :D // 2]``, ``x[..., D // 2:]``
 ``x.unflatten(-1, (2, -1)).unbind(-2)``                 the same two slices
@@ -38,13 +40,19 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+#: Pure ops computed twice on the same arguments in model code: a cast of one tensor (two
+#: ``x.float()``), an ``unsqueeze`` of one table (``apply_rotary_pos_emb`` called once per tensor).
+_MERGEABLE = (prims.convert_element_type.default, aten.unsqueeze.default)
+
+
 def merge_duplicate_casts(graph: torch.fx.Graph) -> int:
-    """``convert_element_type(x, dtype)`` computed twice: the later one's users take the first."""
+    """A cast (``convert_element_type(x, dtype)``) or ``unsqueeze(x, dim)`` computed twice: the
+    later one's users take the first."""
     seen, merged = {}, 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not prims.convert_element_type.default:
+        if node.op != "call_function" or node.target not in _MERGEABLE or node.kwargs:
             continue
-        key = (node.args[0], node.args[1])
+        key = (node.target, *node.args)
         first = seen.setdefault(key, node)
         if first is not node:
             node.replace_all_uses_with(first)
@@ -67,6 +75,22 @@ def square_products_as_pow(graph: torch.fx.Graph) -> int:
                 square = graph.call_function(aten.pow.Tensor_Scalar, (node.args[0], 2))
             square.meta.update(node.meta)
             node.replace_all_uses_with(square)
+            graph.erase_node(node)
+            rewritten += 1
+    return rewritten
+
+
+def inverse_square_root_powers_as_rsqrt(graph: torch.fx.Graph) -> int:
+    """``torch.pow(v, -0.5)`` (Gemma3n's norm) -> ``rsqrt(v)``: ATen computes a tensor to the
+    power -0.5 as ``rsqrt`` (CPU and CUDA), so the values are the same."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is aten.pow.Tensor_Scalar and len(node.args) == 2
+                and node.args[1] == -0.5 and not node.kwargs):
+            with graph.inserting_before(node):
+                rsqrt = graph.call_function(aten.rsqrt.default, (node.args[0],))
+            rsqrt.meta.update(node.meta)
+            node.replace_all_uses_with(rsqrt)
             graph.erase_node(node)
             rewritten += 1
     return rewritten
@@ -221,5 +245,5 @@ def scatter_sums_second_half_first(graph: torch.fx.Graph) -> int:
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Apply every rewrite above to ``graph``; returns how many nodes were rewritten."""
     return (merge_duplicate_casts(graph) + square_products_as_pow(graph) + reciprocal_square_roots_as_rsqrt(graph)
-            + weight_first_products(graph)
+            + inverse_square_root_powers_as_rsqrt(graph) + weight_first_products(graph)
             + half_splits_as_slices(graph) + half_unbinds_as_slices(graph))

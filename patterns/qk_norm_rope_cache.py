@@ -39,6 +39,8 @@ replacement is traced, once per compile, also for a symbolic sequence length.
 
 Variants (one registration each, generated from one definition, ``VARIANTS``):
 
+- RoPE before the transpose too (Gemma3n, Gemma4: ``apply_rotary_pos_emb(x, cos, sin,
+  unsqueeze_dim=2)`` on ``[B, S, H, D]``, tables ``[B, S, 1, D]``), with every norm form;
 - layout: the norm runs on ``[B, S, H, D]`` before the transpose (Hugging Face), on
   ``[B, H, S, D]`` directly (the SOL-ExecBench formulation), or on flattened tokens
   ``[T, H, D]`` (vLLM; ``apply_rotary_pos_emb`` with ``cos/sin [T, D]``, whose
@@ -233,10 +235,10 @@ from fusion_pass.kernels.qk_norm_rope_cache_triton import cache_kernel_call
 from fusion_pass.kernels.triton_device import kernels_in_graph
 # The Hugging Face building blocks, op for op: traced, they are the model's graph.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (
+    gemma3n_rms_norm_reference,
     gemma_rms_norm_reference,
     interleaved_rope_tables,
     partial_rope_reference,
-    pow_rms_norm_no_weight_reference,
     rms_norm_reference,
     rope_reference,
     rotate_half_interleaved,
@@ -286,7 +288,8 @@ NORM_FORMS = {
     "torch_rms_norm": NormForm("fp32_weight", torch_rms_norm_reference, copies_strided_input=True),
     "torch_rms_norm_no_weight": NormForm("no_weight", lambda x, weight, eps: torch_rms_norm_reference(x, None, eps),
                                          copies_strided_input=True),
-    "pow_no_weight": NormForm("no_weight", lambda x, weight, eps: pow_rms_norm_no_weight_reference(x, eps)),
+    "gemma3n": NormForm("fp32_weight", gemma3n_rms_norm_reference),
+    "pow_no_weight": NormForm("no_weight", lambda x, weight, eps: gemma3n_rms_norm_reference(x, None, eps)),
 }
 
 
@@ -321,6 +324,9 @@ class Variant:
     interleaved:
         GPT-J style pairs ``(x[2i], x[2i+1])`` (GLM's ``apply_rotary_pos_emb``, all features
         rotated, ``_interleaved_rope``).
+    rope_before_transpose:
+        layout ``"bshd"`` with RoPE applied before the transpose, on ``[B, S, H, D]`` with
+        ``cos.unsqueeze(2)`` (Gemma3n's and Gemma4's ``apply_rotary_pos_emb(..., unsqueeze_dim=2)``).
     """
 
     layout: str
@@ -330,6 +336,7 @@ class Variant:
     rope_first: bool = False
     partial_rope: bool = False
     interleaved: bool = False
+    rope_before_transpose: bool = False
 
     @property
     def paged(self) -> bool:
@@ -346,7 +353,8 @@ _GEOMETRIES = (("bshd", "dense"), ("bhsd", "dense"), ("bshd", "paged"), ("bshd",
 # whose graph differs for strided inputs); then RoPE before the norm: HunYuan's norm (the
 # Qwen3 form) on the layouts where RoPE can run first; then partial rotary with every norm form
 # before the transpose and a dense cache (GLM-4.5's Glm4MoeAttention, Qwen3-Next's and Qwen3.5's
-# (1 + weight) norm, with a StaticCache), and interleaved pairs (GLM's RoPE) in the same place.
+# (1 + weight) norm, with a StaticCache), and interleaved pairs (GLM's RoPE) in the same place;
+# then RoPE before the transpose with every norm form (Gemma3n, Gemma4).
 VARIANTS = tuple(
     Variant(layout, cache, norm, strided)
     for norm, form in NORM_FORMS.items()
@@ -356,7 +364,7 @@ VARIANTS = tuple(
           for layout, cache in _GEOMETRIES if layout != "bshd") + tuple(
     Variant("bshd", "dense", norm, partial_rope=True) for norm in NORM_FORMS) + (
     Variant("bshd", "dense", "qwen3", interleaved=True),
-)
+) + tuple(Variant("bshd", "dense", norm, rope_before_transpose=True) for norm in NORM_FORMS)
 
 
 # --- the model code, as functions --------------------------------------------------------
@@ -370,9 +378,11 @@ def _interleaved_rope(q, k, cos, sin):
 
 
 def _norm_rope(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose,
-               rope=rope_reference, interleaved=False):
+               rope=rope_reference, interleaved=False, rope_before_transpose=False):
     q = norm.fn(q, q_weight, q_eps)
     k = norm.fn(k, k_weight, k_eps)
+    if rope_before_transpose:
+        return rope(q, cos, sin).transpose(1, 2), rope(k, cos, sin).transpose(1, 2)
     if norm_before_transpose:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     if interleaved:
@@ -410,7 +420,7 @@ def _search(variant: Variant):
             q_rot, k_rot = _norm_rope(variant.norm_form, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps,
                                       variant.layout == "bshd",
                                       partial_rope_reference if variant.partial_rope else rope_reference,
-                                      variant.interleaved)
+                                      variant.interleaved, variant.rope_before_transpose)
         k_cache = _cache_write(variant, k_cache, cache_position, k_rot)
         v_cache = _cache_write(variant, v_cache, cache_position, v)
         return q_rot, k_rot, k_cache, v_cache
@@ -443,8 +453,11 @@ def _op_layout(variant: Variant, q, k, v):
     return q, k, v
 
 
-def cos_rows(cos, token_layout: bool):
+def cos_rows(cos, token_layout: bool, rope_before_transpose: bool = False):
     """cos (or sin) as bound by the pattern -> the op's ``[1 or B, S, D]``, or None.
+
+    ``rope_before_transpose``: the table multiplies ``[B, S, H, D]``: ``[B or 1, S, 1, D]``
+    (``unsqueeze(2)``) or ``[S, 1, D]``.
 
     The pattern binds the tensor that multiplies x, in whatever form the model broadcast it:
     ``[B or 1, 1, S, D]`` (``apply_rotary_pos_emb``'s ``unsqueeze(1)``), ``[1, S, D]`` or
@@ -453,6 +466,10 @@ def cos_rows(cos, token_layout: bool):
     not one the op takes: None. Works on tensors, fake tensors and traced proxies alike.
     """
     if token_layout:
+        return cos.squeeze(1).unsqueeze(0) if cos.dim() == 3 and cos.shape[1] == 1 else None
+    if rope_before_transpose:
+        if cos.dim() == 4:
+            return cos.squeeze(2) if cos.shape[2] == 1 else None
         return cos.squeeze(1).unsqueeze(0) if cos.dim() == 3 and cos.shape[1] == 1 else None
     if cos.dim() == 4:
         return cos.squeeze(1) if cos.shape[1] == 1 else None
@@ -466,7 +483,7 @@ def cos_rows(cos, token_layout: bool):
 def _fused(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
     q, k, v = _op_layout(variant, q, k, v)
     token_layout = variant.layout == "tokens"
-    cos, sin = cos_rows(cos, token_layout), cos_rows(sin, token_layout)
+    cos, sin = (cos_rows(t, token_layout, variant.rope_before_transpose) for t in (cos, sin))
     # torch.compile(dynamic=True) lifts the float eps into a 0-d tensor graph input.
     eps_tensor = isinstance(q_eps, torch.Tensor) or isinstance(k_eps, torch.Tensor)
     kernel_args = {} if variant.norm_form.style == "weight" else dict(norm=variant.norm_form.style)
@@ -587,7 +604,7 @@ def _check(match: Match, variant: Variant) -> bool:
     token_layout = variant.layout == "tokens"
     if q.dim() != k.dim() or q.dim() != (3 if token_layout else 4):
         return False
-    cos, sin = cos_rows(_val(match, "cos"), token_layout), cos_rows(_val(match, "sin"), token_layout)
+    cos, sin = (cos_rows(_val(match, name), token_layout, variant.rope_before_transpose) for name in ("cos", "sin"))
     if cos is None or sin is None:
         return False  # cos/sin that vary over heads: not RoPE as the op applies it
     q, k, v = _op_layout(variant, q, k, v)
@@ -637,7 +654,8 @@ def _example_inputs(variant: Variant):
             q, k = normed(batch, q_heads, seq, head_dim), normed(batch, kv_heads, seq, head_dim)
         v = t(batch, kv_heads, seq, head_dim)
         rotary_dim = head_dim // 2 if variant.partial_rope else head_dim
-        cos, sin = t(batch, 1, seq, rotary_dim), t(batch, 1, seq, rotary_dim)
+        table = (batch, seq, 1, rotary_dim) if variant.rope_before_transpose else (batch, 1, seq, rotary_dim)
+        cos, sin = t(*table), t(*table)
     cache_shape = {"dense": (batch, kv_heads, length, head_dim), "paged": (3, length // 3, kv_heads, head_dim),
                    "flat": (length, kv_heads, head_dim)}[variant.cache]
     # Distinct example tensors for every argument: shared ones would merge in the pattern.

@@ -27,6 +27,7 @@ OP_NORM = {
     "gemma3": "fp32_one_plus_weight",
     "torch_rms_norm": "fp32_weight",
     "torch_rms_norm_no_weight": "no_weight",
+    "gemma3n": "fp32_weight",
     "pow_no_weight": "no_weight",
 }
 
