@@ -76,6 +76,15 @@ def gemma3n_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps
     return output.type_as(x)
 
 
+def weight_first_fp32_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``AfmoeRMSNorm.forward``: ``(weight * normed).to(dtype)`` with the fp32 normed value, so the
+    product is taken in fp32 (the weight promoted) and rounded once: x [..., D], weight [D]."""
+    hidden_states = x.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return (weight * hidden_states).to(x.dtype)
+
+
 def norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, norm: str = "weight") -> torch.Tensor:
     """Per-head RMSNorm of ``norm`` style (``NORM_STYLES``): x [..., D], weight [D] (None for
     ``"no_weight"``) -> [..., D] in x's dtype."""

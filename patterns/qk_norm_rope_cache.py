@@ -243,6 +243,7 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import (
     rope_reference,
     rotate_half_interleaved,
     torch_rms_norm_reference,
+    weight_first_fp32_rms_norm_reference,
 )
 from fusion_pass.matching import apply_first_to_last
 from fusion_pass.patterns.canonical_forms import canonicalize
@@ -289,6 +290,7 @@ NORM_FORMS = {
     "torch_rms_norm_no_weight": NormForm("no_weight", lambda x, weight, eps: torch_rms_norm_reference(x, None, eps),
                                          copies_strided_input=True),
     "gemma3n": NormForm("fp32_weight", gemma3n_rms_norm_reference),
+    "afmoe": NormForm("fp32_weight", weight_first_fp32_rms_norm_reference),
     "pow_no_weight": NormForm("no_weight", lambda x, weight, eps: gemma3n_rms_norm_reference(x, None, eps)),
 }
 
@@ -598,6 +600,8 @@ def _check(match: Match, variant: Variant) -> bool:
     names = ("q", "k", "v", "k_cache", "v_cache", "cos", "sin")
     if len({match.kwargs[n] for n in names}) != len(names):
         return False  # symmetric branches bound to the same node
+    if any(node.meta.get(_REJECTED) for node in match.nodes):
+        return False  # refused, with its reason, under another variant whose graph is the same here
     q, k, v = _val(match, "q"), _val(match, "k"), _val(match, "v")
     if not fusion_config.device_allowed(q.device):
         return False
@@ -730,6 +734,8 @@ def _near_miss_pass():
         def report_only(match: Match, *args, **kwargs) -> None:
             if not any(node.meta.get(_REJECTED) for node in match.nodes):
                 match_report.record_near_miss(FAMILY, reason)
+                for node in match.nodes:  # once: two forms can trace to one graph (fp32: Qwen3's, AFMoE's)
+                    node.meta[_REJECTED] = True
 
         return report_only
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.models.afmoe.modeling_afmoe import AfmoeRMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
@@ -46,7 +47,7 @@ from fusion_pass.demo import RMSNorm, apply_rotary_pos_emb
 
 LAYOUTS = ("tokens", "hf_batch1")
 PAGED_WRITES = ("index_put", "index_copy", "flat")
-NORMS = ("qwen3", "gemma3", "torch_rms_norm", "torch_rms_norm_no_weight", "gemma3n", "pow_no_weight")
+NORMS = ("qwen3", "gemma3", "torch_rms_norm", "torch_rms_norm_no_weight", "gemma3n", "afmoe", "pow_no_weight")
 NORM_LOOK_ALIKES = (
     "gemma_two_plus_weight",      # Gemma3RMSNorm with ``2.0 + weight``: another constant
     "torch_rms_norm_heads_and_dim",  # nn.RMSNorm((H, D)): one statistic over all heads of a token
@@ -90,6 +91,7 @@ def make_norm(norm: str, heads: int, head_dim: int, eps: float) -> nn.Module:
         "torch_rms_norm": lambda: nn.RMSNorm(head_dim, eps=eps),
         "torch_rms_norm_no_weight": lambda: nn.RMSNorm(head_dim, eps=eps, elementwise_affine=False),
         "gemma3n": lambda: Gemma3nRMSNorm(head_dim, eps),
+        "afmoe": lambda: AfmoeRMSNorm(head_dim, eps),
         "pow_no_weight": lambda: Gemma3nRMSNorm(head_dim, eps, with_scale=False),
         "gemma_two_plus_weight": lambda: GemmaTwoPlusWeight(head_dim, eps=eps),
         "torch_rms_norm_heads_and_dim": lambda: RMSNormOverHeads(heads, head_dim, eps),

@@ -28,6 +28,7 @@ OP_NORM = {
     "torch_rms_norm": "fp32_weight",
     "torch_rms_norm_no_weight": "no_weight",
     "gemma3n": "fp32_weight",
+    "afmoe": "fp32_weight",
     "pow_no_weight": "no_weight",
 }
 
