@@ -45,6 +45,17 @@ def _val(node):
 _MERGEABLE = (prims.convert_element_type.default, aten.unsqueeze.default)
 
 
+def _replace_with_call(graph: torch.fx.Graph, node: torch.fx.Node, target, args: tuple) -> torch.fx.Node:
+    """``node`` replaced by ``target(*args)``, a node computing the same value: it takes ``node``'s
+    place, meta and users, and ``node`` is erased."""
+    with graph.inserting_before(node):
+        new = graph.call_function(target, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
 def merge_duplicate_casts(graph: torch.fx.Graph) -> int:
     """A cast (``convert_element_type(x, dtype)``) or ``unsqueeze(x, dim)`` computed twice: the
     later one's users take the first."""
@@ -71,11 +82,7 @@ def square_products_as_pow(graph: torch.fx.Graph) -> int:
             val = _val(node.args[0])
             if not isinstance(val, torch.Tensor) or not val.is_floating_point():
                 continue
-            with graph.inserting_before(node):
-                square = graph.call_function(aten.pow.Tensor_Scalar, (node.args[0], 2))
-            square.meta.update(node.meta)
-            node.replace_all_uses_with(square)
-            graph.erase_node(node)
+            _replace_with_call(graph, node, aten.pow.Tensor_Scalar, (node.args[0], 2))
             rewritten += 1
     return rewritten
 
@@ -87,11 +94,7 @@ def inverse_square_root_powers_as_rsqrt(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if (node.op == "call_function" and node.target is aten.pow.Tensor_Scalar and len(node.args) == 2
                 and node.args[1] == -0.5 and not node.kwargs):
-            with graph.inserting_before(node):
-                rsqrt = graph.call_function(aten.rsqrt.default, (node.args[0],))
-            rsqrt.meta.update(node.meta)
-            node.replace_all_uses_with(rsqrt)
-            graph.erase_node(node)
+            _replace_with_call(graph, node, aten.rsqrt.default, (node.args[0],))
             rewritten += 1
     return rewritten
 
@@ -108,16 +111,12 @@ def reciprocal_square_roots_as_rsqrt(graph: torch.fx.Graph) -> int:
         root = node.args[0]
         if not isinstance(root, torch.fx.Node) or root.target is not aten.sqrt.default or len(root.users) != 1:
             continue
-        with graph.inserting_before(node):
-            rsqrt = graph.call_function(aten.rsqrt.default, (root.args[0],))
-        rsqrt.meta.update(node.meta)
-        for user in list(node.users):  # Python's ``1 / t`` traces as reciprocal(t) * 1
-            if user.target is aten.mul.Tensor and user.args == (node, 1) and not user.kwargs:
+        rsqrt = _replace_with_call(graph, node, aten.rsqrt.default, (root.args[0],))
+        graph.erase_node(root)
+        for user in list(rsqrt.users):  # Python's ``1 / t`` traces as reciprocal(t) * 1
+            if user.target is aten.mul.Tensor and user.args == (rsqrt, 1) and not user.kwargs:
                 user.replace_all_uses_with(rsqrt)
                 graph.erase_node(user)
-        node.replace_all_uses_with(rsqrt)
-        graph.erase_node(node)
-        graph.erase_node(root)
         rewritten += 1
     return rewritten
 
@@ -161,11 +160,7 @@ def half_splits_as_slices(graph: torch.fx.Graph) -> int:
             continue
         for user in users:
             start, end = (0, size) if user.args[1] == 0 else (size, sys.maxsize)
-            with graph.inserting_before(user):
-                piece = graph.call_function(aten.slice.Tensor, (x, dim, start, end))
-            piece.meta.update(user.meta)
-            user.replace_all_uses_with(piece)
-            graph.erase_node(user)
+            _replace_with_call(graph, user, aten.slice.Tensor, (x, dim, start, end))
         graph.erase_node(node)
         rewritten += 1
     return rewritten
@@ -210,11 +205,7 @@ def half_unbinds_as_slices(graph: torch.fx.Graph) -> int:
         size, view = _val(x).shape[-1] // 2, node.args[0]
         for user, index in pieces:
             start, end = (0, size) if index == 0 else (size, sys.maxsize)
-            with graph.inserting_before(user):
-                piece = graph.call_function(aten.slice.Tensor, (x, _val(x).dim() - 1, start, end))
-            piece.meta.update(user.meta)
-            user.replace_all_uses_with(piece)
-            graph.erase_node(user)
+            _replace_with_call(graph, user, aten.slice.Tensor, (x, _val(x).dim() - 1, start, end))
         if node.target is aten.unbind.int:
             graph.erase_node(node)
         if not view.users:  # a dead user of x would keep x's other users from matching
