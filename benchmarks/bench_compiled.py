@@ -39,7 +39,8 @@ import triton.testing
 from torch import nn
 
 import fusion_pass
-from bench_forward import bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_wall_us  # suite F's timing
+from bench_forward import (bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_samples,  # suite F's timing
+                           paired_ratio)
 
 F_CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
            (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
@@ -151,6 +152,19 @@ def attempt(r: dict, key: str, fn) -> None:
         log(f"    {key}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
+def time_interleaved(r: dict, kept: dict, rounds: int = 40, calls: int = 20) -> None:
+    """Default mode, the compiled variants taking turns (``interleaved_samples``): the median time
+    of each, and the paired ratio pass / stock with its quartiles over the rounds."""
+    def run():
+        import statistics
+
+        samples = interleaved_samples(kept, rounds, calls)
+        r["interleaved_ratio"] = paired_ratio(samples, "fusion_pass", "stock")
+        return {k: statistics.median(v) for k, v in samples.items()}
+
+    attempt(r, "interleaved_us", run)
+
+
 def compile_variant(module, variant):
     torch._dynamo.reset()
     fusion_pass.reset_report()
@@ -204,7 +218,7 @@ def f_case(seq: int, cached: int, batch: int, copy_tbps: float, code_dir: str | 
             if variant != "eager":
                 kept[variant] = lambda fn_c=fn_c: fn_c(*args)
             del out
-        attempt(r, "interleaved_us", lambda: interleaved_wall_us(kept))
+        time_interleaved(r, kept)
     torch._dynamo.reset()
     del x, caches, args, module, kept
     torch.cuda.empty_cache()
@@ -248,7 +262,7 @@ def b_case(seq: int, batch: int, mm_probe: bool = True) -> dict:
         time_variant(r, variant, step)
         if variant != "eager":
             kept[variant] = step
-    attempt(r, "interleaved_us", lambda: interleaved_wall_us(kept))
+    time_interleaved(r, kept)
     torch._dynamo.reset()
     del module, hidden, grads, ref, grad_qkv, kept
     torch.cuda.empty_cache()
@@ -263,6 +277,10 @@ def means(rows: list[dict], keys) -> dict:
     inter = [row.get("interleaved_us") for row in rows]
     if inter and all(inter):
         out["interleaved_us"] = {v: sum(i[v] for i in inter) / len(inter) for v in inter[0]}
+    ratios = [row.get("interleaved_ratio") for row in rows]
+    if ratios and all(ratios):
+        out["interleaved_ratio"] = dict(median=sum(x["median"] for x in ratios) / len(ratios),
+                                        worst=max(x["median"] for x in ratios))
     return out
 
 
@@ -281,7 +299,7 @@ def markdown(result: dict) -> str:
         lines += [f"## Suite {suite} ({len(rows)} cases; us; floor: "
                   f"{'bytes / copy bandwidth' if suite == 'F' else 'the three projection GEMMs alone'})", "",
                   "| case | floor | eager | stock | pass | pass / stock | stock, interleaved | pass, interleaved | "
-                  "pass / stock, interleaved | stock graph | pass graph | pass graph / stock graph | pass graph / floor "
+                  "pass / stock, paired rounds: median [quartiles] | stock graph | pass graph | pass graph / stock graph | pass graph / floor "
                   "| host stock | host pass | fused |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows + [dict(result[f"{suite}_means"], case="mean")]:
@@ -291,10 +309,12 @@ def markdown(result: dict) -> str:
                       if r.get("fusion_pass_graph_us") and r.get("stock_graph_us") else None)
             gfloor = (r["fusion_pass_graph_us"] / r[floor] if r.get("fusion_pass_graph_us") and r.get(floor) else None)
             inter = r.get("interleaved_us") or {}
-            iratio = inter["fusion_pass"] / inter["stock"] if inter.get("fusion_pass") and inter.get("stock") else None
+            paired = r.get("interleaved_ratio") or {}
+            iratio = (f"{paired['median']:.3f} [{paired['q1']:.3f}, {paired['q3']:.3f}]" if "q1" in paired else
+                      f"{paired['median']:.3f} (worst {paired['worst']:.3f})" if paired else "—")
             lines.append(f"| {name} | {fmt(r.get(floor))} | {fmt(r.get('eager_us'))} | {fmt(r.get('stock_us'))} | "
                          f"{fmt(r.get('fusion_pass_us'))} | {fmt(ratio, '.3f')} | {fmt(inter.get('stock'))} | "
-                         f"{fmt(inter.get('fusion_pass'))} | {fmt(iratio, '.3f')} | {fmt(r.get('stock_graph_us'))} | "
+                         f"{fmt(inter.get('fusion_pass'))} | {iratio} | {fmt(r.get('stock_graph_us'))} | "
                          f"{fmt(r.get('fusion_pass_graph_us'))} | {fmt(gratio, '.3f')} | {fmt(gfloor, '.2f')} | "
                          f"{fmt(r.get('stock_host_us'))} | {fmt(r.get('fusion_pass_host_us'))} | "
                          f"{r.get('fused', '')} |")

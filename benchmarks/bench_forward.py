@@ -156,21 +156,40 @@ def interleaved_wall_us(steps: dict, rounds: int = 15, calls: int = 20) -> dict:
     within every round: what a loop without CUDA graphs sees, host time included. Taking turns
     spreads the lent host's slow spells over every variant; one ``do_bench`` per variant, one after
     the other, moved by up to 1.7x in the same process (2026-12-01), and its L2 flush lets a
-    host-bound call run ahead."""
+    host-bound call run ahead. ``interleaved_samples`` keeps the rounds, for paired ratios."""
     import statistics
 
+    return {k: statistics.median(v) for k, v in interleaved_samples(steps, rounds, calls).items()}
+
+
+def interleaved_samples(steps: dict, rounds: int = 15, calls: int = 20) -> dict:
+    """Per variant, the list of per-round wall times per call (µs) that ``interleaved_wall_us``
+    takes the median of. The order of the variants is reversed every other round (A B, B A, ...),
+    so a drift within a round weighs on each variant alike; round i of two variants is a pair."""
     times: dict = {k: [] for k in steps}
     for step in steps.values():
         step()
-    for _ in range(rounds):
-        for k, step in steps.items():
+    names = list(steps)
+    for i in range(rounds):
+        for k in (names if i % 2 == 0 else names[::-1]):
             synchronize()
             t0 = time.perf_counter()
             for _ in range(calls):
-                step()
+                steps[k]()
             synchronize()
             times[k].append((time.perf_counter() - t0) / calls * 1e6)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def paired_ratio(samples: dict, num: str, den: str) -> dict:
+    """Median and quartiles over rounds of ``samples[num][i] / samples[den][i]`` (the rounds of
+    ``interleaved_samples``): the ratio of two variants measured side by side, which the host's slow
+    spells move much less than either time."""
+    import statistics
+
+    ratios = sorted(a / b for a, b in zip(samples[num], samples[den]))
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return dict(median=median, q1=q1, q3=q3, rounds=len(ratios))
 
 
 def bench_graph(fn) -> float:
