@@ -322,11 +322,21 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def part(cases: list, spec: str) -> list:
+    """The K-th of N contiguous, near-equal slices of ``cases``; ``spec`` is "K/N", 1 <= K <= N."""
+    k, n = (int(x) for x in spec.split("/"))
+    if not 1 <= k <= n:
+        raise ValueError(f"--part: expected K/N with 1 <= K <= N, got {spec!r}")
+    return cases[(k - 1) * len(cases) // n: k * len(cases) // n]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--suites", default="F,B")
     p.add_argument("--cases", choices=["all", "quick"], default="all")
+    p.add_argument("--part", default="1/1", help="K/N: only the K-th of N equal slices of each suite's cases "
+                   "(to split a suite over device calls)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         log("bench_compiled.py measures on a CUDA GPU; none here, nothing to do.")
@@ -352,7 +362,7 @@ def main() -> int:
         copy_tbps = copy_bandwidth_tbps()
         result["copy_TBps"] = copy_tbps
         result["F"] = []
-        for case in (F_QUICK if args.cases == "quick" else F_CASES):
+        for case in part(F_QUICK if args.cases == "quick" else F_CASES, args.part):
             t0 = time.perf_counter()
             r = f_case(*case, copy_tbps, args.out if case == (128, 0, 1) else None)
             result["F"].append(r)
@@ -365,7 +375,7 @@ def main() -> int:
                 f"({time.perf_counter() - t0:.0f} s)")
     if "B" in suites:
         result["B"] = []
-        for case in (B_QUICK if args.cases == "quick" else B_CASES):
+        for case in part(B_QUICK if args.cases == "quick" else B_CASES, args.part):
             t0 = time.perf_counter()
             r = b_case(*case)
             result["B"].append(r)
