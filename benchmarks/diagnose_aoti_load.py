@@ -55,13 +55,14 @@ with torch.no_grad():
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--devices", default="cpu,cuda", help="comma-separated devices of the plain models")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import torch
 
     results = dict(torch=torch.__version__, cases={})
     for model in ("linear", "cache_write"):
-        for device in ("cpu", "cuda"):
+        for device in args.devices.split(","):
             path = os.path.join(args.out, f"aoti-{model}-{device}.pt2")
             proc = subprocess.run([sys.executable, "-c", CHILD, model, device, path], capture_output=True, text=True,
                                   timeout=240)
