@@ -22,14 +22,16 @@ import fusion_pass  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def fresh_compile_state():
-    """Each test compiles from scratch: no dynamo cache, no FX graph cache, empty counters.
-
-    With a warm FX graph cache the passes do not run at all and counters read 0.
-    """
+    """Each test compiles its graphs from scratch: no dynamo cache, no FX graph or AOTAutograd
+    cache, empty counters. With a warm graph cache the passes do not run at all and counters
+    read 0. Inductor's kernel cache (compiled C++ and Triton kernels, keyed by their source) stays
+    on: a kernel's source decides its binary, and rebuilding every kernel of every test with the
+    C++ compiler was most of the CPU suite's time."""
     torch._dynamo.reset()
     fusion_pass.reset_report()
     torch.manual_seed(0)
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         yield
     fusion_pass.uninstall()
     torch._dynamo.reset()
