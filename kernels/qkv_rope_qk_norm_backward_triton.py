@@ -220,6 +220,15 @@ def _rnd_sum(a, b, ROUND: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _rope_backward(u1, u2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.constexpr):
+    """RoPE's backward on the halves of a gradient u, with autograd's roundings:
+    u*cos + rotate_half^T(u*sin), rotate_half^T(y) = cat(y2, -y1)."""
+    d1 = _rnd_sum(_rnd(u1 * c1, ROUND, INTERP), _rnd(u2 * s2, ROUND, INTERP), ROUND, INTERP)
+    d2 = _rnd_sum(_rnd(u2 * c2, ROUND, INTERP), -_rnd(u1 * s1, ROUND, INTERP), ROUND, INTERP)
+    return d1, d2
+
+
+@triton.jit
 def _qk_tile(
     g_ptr, g_sb, g_sh, g_ss,  # grad of the normed rows [B, H, S, D]
     x_ptr, x_sb, x_ss, x_sh,  # pre-RoPE rows [B, S, H, D]
@@ -232,10 +241,12 @@ def _qk_tile(
     H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BH: tl.constexpr, BT: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    NORM_FIRST: tl.constexpr,
 ):
-    """Backward of w * rmsnorm(rope(x)) on one [BH heads, BT tokens] tile, held as two
-    [BH, BT, D/2] fp32 half tiles (rotate_half is free). Stores d(proj), the cos/sin partial rows
-    (sums over this tile's heads) and returns the tile's norm-weight grad halves [BLOCK_HALF]."""
+    """Backward of w * rmsnorm(rope(x)) (NORM_FIRST: of rope(w * rmsnorm(x))) on one [BH heads,
+    BT tokens] tile, held as two [BH, BT, D/2] fp32 half tiles (rotate_half is free). Stores
+    d(proj), the cos/sin partial rows (sums over this tile's heads) and returns the tile's
+    norm-weight grad halves [BLOCK_HALF]."""
     h = h0 + tl.arange(0, BH).to(tl.int64)
     t = t0 + tl.arange(0, BT).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -275,9 +286,17 @@ def _qk_tile(
     q2 = q2.to(tl.float32)
     r = r.to(tl.float32)[:, :, None]
 
-    # RoPE recomputed with eager's roundings: x = R(R(q*cos) + R(rotate_half(q)*sin)).
-    x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
-    x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+    g0_1 = g1
+    g0_2 = g2
+    if NORM_FIRST:
+        # The norm's input is q; the gradient reaching the norm's output is RoPE's backward of g.
+        x1 = q1
+        x2 = q2
+        g1, g2 = _rope_backward(g0_1, g0_2, c1, c2, s1, s2, ROUND, INTERP)
+    else:
+        # RoPE recomputed with eager's roundings: x = R(R(q*cos) + R(rotate_half(q)*sin)).
+        x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
+        x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
 
     gn1 = _rnd(g1 * w1[None, None, :], ROUND, INTERP)
     gn2 = _rnd(g2 * w2[None, None, :], ROUND, INTERP)
@@ -287,6 +306,18 @@ def _qk_tile(
     coef = r * r * r * (dot / D)[:, :, None]
     dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
     dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
+    # The cos/sin terms are R(u * p) and R(u * rotate_half(p)) with u the gradient of RoPE's
+    # output and p its input: (dx, q) here, (g, the norm's output n = R(w * R(x*r))) NORM_FIRST.
+    if NORM_FIRST:
+        u1 = g0_1
+        u2 = g0_2
+        p1 = _rnd(_rnd(x1 * r, ROUND, INTERP) * w1[None, None, :], ROUND, INTERP)
+        p2 = _rnd(_rnd(x2 * r, ROUND, INTERP) * w2[None, None, :], ROUND, INTERP)
+    else:
+        u1 = dx1
+        u2 = dx2
+        p1 = q1
+        p2 = q2
 
     # Sums over this tile's heads, all in ONE multi-operand reduction (v2's six separate
     # reductions over heads, which cross warps, cost ~5 % more).
@@ -299,8 +330,8 @@ def _qk_tile(
         pw1, pw2, gc1, gc2, gs1, gs2 = tl.reduce(
             (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
              _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP),
-             _rnd(dx1 * q1, ROUND, INTERP), _rnd(dx2 * q2, ROUND, INTERP),
-             _rnd(dx1 * q2, ROUND, INTERP), _rnd(dx2 * q1, ROUND, INTERP)),
+             _rnd(u1 * p1, ROUND, INTERP), _rnd(u2 * p2, ROUND, INTERP),
+             _rnd(u1 * p2, ROUND, INTERP), _rnd(u2 * p1, ROUND, INTERP)),
             0, _add6)  # each [BT, BLOCK_HALF]
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_W:
@@ -310,8 +341,8 @@ def _qk_tile(
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_CS:
         gc1, gc2, gs1, gs2 = tl.reduce(
-            (_rnd(dx1 * q1, ROUND, INTERP), _rnd(dx2 * q2, ROUND, INTERP),
-             _rnd(dx1 * q2, ROUND, INTERP), _rnd(dx2 * q1, ROUND, INTERP)), 0, _add4)
+            (_rnd(u1 * p1, ROUND, INTERP), _rnd(u2 * p2, ROUND, INTERP),
+             _rnd(u1 * p2, ROUND, INTERP), _rnd(u2 * p1, ROUND, INTERP)), 0, _add4)
     if NEED_CS:
         cs_row = cs_ptr + t[:, None] * (2 * D) + d[None, :]
         tl.store(cs_row, gc1, mask=m2)
@@ -319,9 +350,11 @@ def _qk_tile(
         tl.store(cs_row + D, -gs1, mask=m2)
         tl.store(cs_row + (D + HALF), gs2, mask=m2)
 
-    # RoPE backward: dq = dx*cos + rotate_half^T(dx*sin), rotate_half^T(y) = cat(y2, -y1).
-    dq1 = _rnd_sum(_rnd(dx1 * c1, ROUND, INTERP), _rnd(dx2 * s2, ROUND, INTERP), ROUND, INTERP)
-    dq2 = _rnd_sum(_rnd(dx2 * c2, ROUND, INTERP), -_rnd(dx1 * s1, ROUND, INTERP), ROUND, INTERP)
+    if NORM_FIRST:
+        dq1 = dx1
+        dq2 = dx2
+    else:
+        dq1, dq2 = _rope_backward(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP)
     o_off = (h * D)[:, None, None] + (b * o_sb + s * o_ss)[None, :, None] + d3
     tl.store(o_ptr + o_off, dq1, mask=m3)
     tl.store(o_ptr + o_off + HALF, dq2, mask=m3)
@@ -353,6 +386,7 @@ def _qk_norm_rope_bwd_kernel(
     BHQ: tl.constexpr, BTQ: tl.constexpr, BHK: tl.constexpr, BTK: tl.constexpr,
     BHV: tl.constexpr, BTV: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    NORM_FIRST: tl.constexpr,
 ):
     """1-D grid: [q programs | k programs | v programs]. Program (kind, head block hb, group g)
     handles the token tiles g, g + G, g + 2G, ... of that head block (tiles of BH x BT rows)."""
@@ -378,7 +412,7 @@ def _qk_norm_rope_bwd_kernel(
                 gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss,
                 cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dq_ptr, dq_sb, dq_ss, cs_blk,
                 hb * BHQ, tt * BTQ, M, S,
-                HQ, D, HALF, BLOCK_HALF, BHQ, BTQ, ROUND, INTERP, NEED_W, NEED_CS,
+                HQ, D, HALF, BLOCK_HALF, BHQ, BTQ, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST,
             )
             acc1 += gw1
             acc2 += gw2
@@ -400,7 +434,7 @@ def _qk_norm_rope_bwd_kernel(
                 gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss,
                 cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dk_ptr, dk_sb, dk_ss, cs_blk,
                 hb * BHK, tt * BTK, M, S,
-                HKV, D, HALF, BLOCK_HALF, BHK, BTK, ROUND, INTERP, NEED_W, NEED_CS,
+                HKV, D, HALF, BLOCK_HALF, BHK, BTK, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST,
             )
             acc1 += gw1
             acc2 += gw2
@@ -436,10 +470,12 @@ def _qk_head_rows(
     pw1, pw2, gc1, gc2, gs1, gs2,  # [BT, BLOCK_HALF] fp32 accumulators (returned updated)
     D: tl.constexpr, HALF: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    NORM_FIRST: tl.constexpr,
 ):
-    """Backward of ``w * rmsnorm(rope(x))`` for one head on a tile of BT tokens (two [BT, D/2]
-    halves): stores d(proj) and adds this head's terms of the norm-weight and cos/sin grads to
-    the accumulators, per token and feature (no reduction across threads)."""
+    """Backward of ``w * rmsnorm(rope(x))`` (NORM_FIRST: of ``rope(w * rmsnorm(x))``) for one
+    head on a tile of BT tokens (two [BT, D/2] halves): stores d(proj) and adds this head's terms
+    of the norm-weight and cos/sin grads to the accumulators, per token and feature (no reduction
+    across threads). The same formulas as ``_qk_tile``."""
     g_off = g_rows[:, None] + d[None, :]
     x_off = x_rows[:, None] + d[None, :]
     g1 = tl.load(g_ptr + g_off, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -448,8 +484,15 @@ def _qk_head_rows(
     q2 = tl.load(x_ptr + x_off + HALF, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
     r = tl.load(r_ptr + r_rows, mask=tm, other=0.0).to(tl.float32)[:, None]
 
-    x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
-    x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+    g0_1 = g1
+    g0_2 = g2
+    if NORM_FIRST:
+        x1 = q1
+        x2 = q2
+        g1, g2 = _rope_backward(g0_1, g0_2, c1, c2, s1, s2, ROUND, INTERP)
+    else:
+        x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
+        x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
     gn1 = _rnd(g1 * w1[None, :], ROUND, INTERP)
     gn2 = _rnd(g2 * w2[None, :], ROUND, INTERP)
     dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BT]: across the lanes of one warp
@@ -460,12 +503,25 @@ def _qk_head_rows(
         pw1 += _rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP)
         pw2 += _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP)
     if NEED_CS:
-        gc1 += _rnd(dx1 * q1, ROUND, INTERP)
-        gc2 += _rnd(dx2 * q2, ROUND, INTERP)
-        gs1 += _rnd(dx1 * q2, ROUND, INTERP)
-        gs2 += _rnd(dx2 * q1, ROUND, INTERP)
-    dq1 = _rnd_sum(_rnd(dx1 * c1, ROUND, INTERP), _rnd(dx2 * s2, ROUND, INTERP), ROUND, INTERP)
-    dq2 = _rnd_sum(_rnd(dx2 * c2, ROUND, INTERP), -_rnd(dx1 * s1, ROUND, INTERP), ROUND, INTERP)
+        if NORM_FIRST:
+            u1 = g0_1
+            u2 = g0_2
+            p1 = _rnd(_rnd(x1 * r, ROUND, INTERP) * w1[None, :], ROUND, INTERP)
+            p2 = _rnd(_rnd(x2 * r, ROUND, INTERP) * w2[None, :], ROUND, INTERP)
+        else:
+            u1 = dx1
+            u2 = dx2
+            p1 = q1
+            p2 = q2
+        gc1 += _rnd(u1 * p1, ROUND, INTERP)
+        gc2 += _rnd(u2 * p2, ROUND, INTERP)
+        gs1 += _rnd(u1 * p2, ROUND, INTERP)
+        gs2 += _rnd(u2 * p1, ROUND, INTERP)
+    if NORM_FIRST:
+        dq1 = dx1
+        dq2 = dx2
+    else:
+        dq1, dq2 = _rope_backward(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP)
     o_off = o_rows[:, None] + d[None, :]
     tl.store(o_ptr + o_off, dq1, mask=m2)
     tl.store(o_ptr + o_off + HALF, dq2, mask=m2)
@@ -483,7 +539,7 @@ def _heads_of_slice(
     c1, c2, s1, s2, gc1, gc2, gs1, gs2,
     D: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BLOCK_HALF: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, NORM_FIRST: tl.constexpr,
 ):
     """Heads [h_lo, h_hi) of one tensor (q or k) on the program's tokens: the loop over heads,
     software-pipelined STAGES deep, then the weight-grad partial row (summed over the tokens).
@@ -500,7 +556,8 @@ def _heads_of_slice(
         hh = tl.cast(h, tl.int64)
         pw1, pw2, gc1, gc2, gs1, gs2 = _qk_head_rows(
             g_ptr, x_ptr, r_ptr, o_ptr, g_tok + hh * g_sh, x_tok + hh * x_sh, r_tok + hh * r_sh, o_tok + hh * D,
-            d, m2, tm, c1, c2, s1, s2, w1, w2, pw1, pw2, gc1, gc2, gs1, gs2, D, HALF, ROUND, INTERP, NEED_W, NEED_CS)
+            d, m2, tm, c1, c2, s1, s2, w1, w2, pw1, pw2, gc1, gc2, gs1, gs2, D, HALF, ROUND, INTERP, NEED_W, NEED_CS,
+            NORM_FIRST)
     if NEED_W:
         tl.store(gw_row_ptr + d, _sum(pw1, 0), mask=dm)
         tl.store(gw_row_ptr + HALF + d, _sum(pw2, 0), mask=dm)
@@ -530,6 +587,7 @@ def _qk_norm_rope_bwd_rows_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
     ROUND: tl.constexpr, CS_ROUND: tl.constexpr, INTERP: tl.constexpr,
     NEED_W: tl.constexpr, NEED_CS: tl.constexpr, CS_DIRECT: tl.constexpr, STAGES: tl.constexpr,
+    NORM_FIRST: tl.constexpr,
 ):
     """Token-rows tiling (v5). Program (token tile, head slice) owns BT tokens and slice ``NS``-th
     of the q, k and v heads; it loads the tokens' cos/sin rows once, walks its heads one by one
@@ -569,13 +627,13 @@ def _qk_norm_rope_bwd_rows_kernel(
         gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss, dq_ptr, dq_sb, dq_ss,
         wq_ptr, gw_ws_ptr + pid.to(tl.int64) * D, slice_ * CQ, tl.minimum(slice_ * CQ + CQ, HQ),
         b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES)
+        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST)
     CK: tl.constexpr = (HKV + NS - 1) // NS
     gc1, gc2, gs1, gs2 = _heads_of_slice(
         gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss, dk_ptr, dk_sb, dk_ss,
         wk_ptr, gw_ws_ptr + (P + pid).to(tl.int64) * D, slice_ * CK, tl.minimum(slice_ * CK + CK, HKV),
         b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES)
+        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST)
 
     if NEED_CS:
         # grad_cos = sum of R(dx*q); grad_sin = sum of R(dx*rotate_half(q)) = [-gs1, gs2].
@@ -677,6 +735,7 @@ def _qk_norm_rope_bwd_graph_kernel(
     HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BHQ: tl.constexpr, BTQ: tl.constexpr, BHK: tl.constexpr, BTK: tl.constexpr, BHV: tl.constexpr,
     BTV: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    NORM_FIRST: tl.constexpr,
 ):
     """``_qk_norm_rope_bwd_kernel`` (the head-tile elementwise kernel) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
@@ -687,7 +746,7 @@ def _qk_norm_rope_bwd_graph_kernel(
         q_ss, q_sh, k_ptr, k_sb, k_ss, k_sh, rq_ptr, rq_sb, rq_sh, rq_ss, rk_ptr, rk_sb, rk_sh, rk_ss, cos_ptr,
         cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, wq_ptr, wk_ptr, dq_ptr, dq_sb, dq_ss, dk_off, dk_sb, dk_ss,
         dv_off, dv_sb, dv_ss, gw_ws_ptr, cs_ws_ptr, M, S, GQ, GK, GV, NTT_Q, NTT_KV, HQ, HKV, D, HALF,
-        BLOCK_HALF, BLOCK_D, BHQ, BTQ, BHK, BTK, BHV, BTV, ROUND, INTERP, NEED_W, NEED_CS,
+        BLOCK_HALF, BLOCK_D, BHQ, BTQ, BHK, BTK, BHV, BTV, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST,
     )
 
 
@@ -705,7 +764,7 @@ def _qk_norm_rope_bwd_rows_graph_kernel(
     P: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr, ROUND: tl.constexpr,
     CS_ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    CS_DIRECT: tl.constexpr, STAGES: tl.constexpr,
+    CS_DIRECT: tl.constexpr, STAGES: tl.constexpr, NORM_FIRST: tl.constexpr,
 ):
     """``_qk_norm_rope_bwd_rows_kernel`` (the token-row elementwise kernel) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
@@ -716,7 +775,7 @@ def _qk_norm_rope_bwd_rows_graph_kernel(
         q_ss, q_sh, k_ptr, k_sb, k_ss, k_sh, rq_ptr, rq_sb, rq_sh, rq_ss, rk_ptr, rk_sb, rk_sh, rk_ss, cos_ptr,
         cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, wq_ptr, wk_ptr, dq_ptr, dq_sb, dq_ss, dk_off, dk_sb, dk_ss,
         dv_off, dv_sb, dv_ss, gw_ws_ptr, cs_ws_ptr, gc_ptr, gs_ptr, M, S, P, HQ, HKV, D, HALF, BLOCK_HALF,
-        BLOCK_D, BT, NS, ROUND, CS_ROUND, INTERP, NEED_W, NEED_CS, CS_DIRECT, STAGES,
+        BLOCK_D, BT, NS, ROUND, CS_ROUND, INTERP, NEED_W, NEED_CS, CS_DIRECT, STAGES, NORM_FIRST,
     )
 
 
@@ -928,8 +987,10 @@ def qk_norm_rope_backward_triton(
     need_weight_grad: bool,
     need_cos_sin_grad: bool,
     num_programs: int | None = None,
+    rope_first: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Backward of ``w * rmsnorm(rope(q))`` for q and k (and the layout copy of v), one pass.
+    """Backward of ``w * rmsnorm(rope(q))`` (``rope_first=False``: of ``rope(w * rmsnorm(q))``,
+    the Qwen3 order) for q and k (and the layout copy of v), one pass.
 
     Args:
         grad_q: [B, Hq, S, D] grad of the normed q; grad_k, grad_v: [B, Hkv, S, D]. Any strides,
@@ -1005,7 +1066,7 @@ def qk_norm_rope_backward_triton(
     _, gqw, gkw, gcos, gsin = _elementwise(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
         grad_q_proj, (dq_sb, dq_ss), (offsets[0], dk_sb, dk_ss), (offsets[1], dv_sb, dv_ss), rq_s, rk_s,
-        need_weight_grad, need_cos_sin_grad, num_programs, in_graph=False)
+        need_weight_grad, need_cos_sin_grad, num_programs, in_graph=False, rope_first=rope_first)
     return gqw, gkw, gcos, gsin
 
 
@@ -1023,6 +1084,7 @@ def qk_norm_rope_backward_in_graph(
     k_weight: torch.Tensor,
     need_weight_grad: bool,
     need_cos_sin_grad: bool,
+    rope_first: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``qk_norm_rope_backward_triton`` traced into a graph: its launches become Triton kernel
     nodes (``TritonCall.in_graph``) that Inductor launches itself.
@@ -1044,7 +1106,7 @@ def qk_norm_rope_backward_in_graph(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
         grad_proj, (S * row, row), (nq, S * row, row), (nq + nk, S * row, row),
         _rstd_strides(q_rstd, B, HQ, S, "q_rstd"), _rstd_strides(k_rstd, B, HKV, S, "k_rstd"),
-        need_weight_grad, need_cos_sin_grad, None, in_graph=True)
+        need_weight_grad, need_cos_sin_grad, None, in_graph=True, rope_first=rope_first)
     return grad_proj, gqw, gkw, gcos, gsin
 
 
@@ -1058,7 +1120,8 @@ def _run(call: TritonCall, written: tuple[str, ...], in_graph: bool) -> dict[str
 
 
 def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight, grad_proj,
-                 dq_strides, dk_layout, dv_layout, rq_s, rk_s, need_w, need_cs, num_programs, in_graph):
+                 dq_strides, dk_layout, dv_layout, rq_s, rk_s, need_w, need_cs, num_programs, in_graph,
+                 rope_first):
     """The elementwise kernel (v3 or v5 by M), then the finishing sums; returns (grad_proj, gqw,
     gkw, gcos, gsin). ``grad_proj`` is the q part's view; the k and v parts lie at element offsets
     ``dk_layout[0]``/``dv_layout[0]`` from it (one buffer: a graph node writes whole tensors)."""
@@ -1083,7 +1146,7 @@ def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weigh
     unused = torch.empty((1,), device=dev, dtype=torch.float32)  # pointer of a constexpr-disabled argument
     grad_cos = grad_sin = None
     common = dict(HQ=HQ, HKV=HKV, D=D, HALF=D // 2, ROUND=_ROUND_MODE[q.dtype], INTERP=not q.is_cuda,
-                  NEED_W=need_w, NEED_CS=need_cs)
+                  NEED_W=need_w, NEED_CS=need_cs, NORM_FIRST=not rope_first)
     if elementwise_tiling(M) == "token_rows":
         plan = _rows_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
                           max(1, round(ROWS_PROGRAMS_PER_SM * sm_count(q))) if num_programs is None else num_programs,

@@ -81,8 +81,10 @@ def qkv_rope_qk_norm_forward_reference(
     num_kv_heads: int,
     q_eps: float,
     k_eps: float,
+    rope_first: bool = True,
 ) -> tuple[torch.Tensor, ...]:
-    """Reference forward: returns (q_out, k_out, v, q_rstd, k_rstd, proj).
+    """Reference forward: returns (q_out, k_out, v, q_rstd, k_rstd, proj). ``rope_first``:
+    norm(rope(x)) as HunYuanDenseV1 writes it; False: rope(norm(x)), Qwen3's order.
 
     ``q_out``/``k_out``/``v`` are what the model's attention consumes ([B, H, S, D], the eager
     strides; ``v`` is a view of the projection output); ``proj`` is the list of projection
@@ -96,8 +98,13 @@ def qkv_rope_qk_norm_forward_reference(
     k = k_proj.view(batch, seq, num_kv_heads, head_dim).transpose(1, 2)
     v = v_proj.view(batch, seq, num_kv_heads, head_dim).transpose(1, 2)
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_out, q_rstd = rms_norm_with_rstd_reference(rope_reference(q, cos4, sin4), q_norm_weight, q_eps)
-    k_out, k_rstd = rms_norm_with_rstd_reference(rope_reference(k, cos4, sin4), k_norm_weight, k_eps)
+    if rope_first:
+        q_out, q_rstd = rms_norm_with_rstd_reference(rope_reference(q, cos4, sin4), q_norm_weight, q_eps)
+        k_out, k_rstd = rms_norm_with_rstd_reference(rope_reference(k, cos4, sin4), k_norm_weight, k_eps)
+    else:
+        q_normed, q_rstd = rms_norm_with_rstd_reference(q, q_norm_weight, q_eps)
+        k_normed, k_rstd = rms_norm_with_rstd_reference(k, k_norm_weight, k_eps)
+        q_out, k_out = rope_reference(q_normed, cos4, sin4), rope_reference(k_normed, cos4, sin4)
     return q_out, k_out, v, q_rstd, k_rstd, proj
 
 
@@ -108,8 +115,9 @@ def _norm_rope_backward_one(
     cos4: torch.Tensor,
     sin4: torch.Tensor,
     weight: torch.Tensor,
+    rope_first: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``norm(rope(p))`` for one of q / k.
+    """Backward of ``norm(rope(p))`` (``rope_first=False``: of ``rope(norm(p))``) for one of q / k.
 
     Args:
         grad_out: [B, H, S, D] gradient of the normalized output.
@@ -119,23 +127,31 @@ def _norm_rope_backward_one(
         weight: [D] norm weight.
 
     Returns (in fp32, float64 for float64 inputs): grad_p [B, H, S, D], grad_weight [D], the
-    per-element products for grad_cos (grad_x * p) and grad_sin (grad_x * rotate_half(p)).
+    per-element products for grad_cos (u * r) and grad_sin (u * rotate_half(r)), u the gradient
+    of RoPE's output and r its input.
     """
     dtype = x_pre.dtype
     acc = stats_dtype(dtype)
-    # Recompute x = rope(p) with the forward's roundings, then the normalized row.
-    x = rope_reference(x_pre, cos4, sin4)
+    cos_a, sin_a = cos4.to(acc), sin4.to(acc)
+    # The norm's input x (rope(p) recomputed with the forward's roundings, or p), its normalized row.
+    x = rope_reference(x_pre, cos4, sin4) if rope_first else x_pre
     rstd = rstd.to(acc).unsqueeze(-1)
     n = x.to(acc) * rstd
     n_rounded = n.to(dtype).to(acc)  # eager multiplies the weight by the rounded row
     g = grad_out.to(acc)
+    if not rope_first:  # the gradient reaching the norm's output: RoPE's backward of grad_out
+        g = g * cos_a + rotate_half_transposed(g * sin_a)
     grad_weight = (g * n_rounded).sum(dim=(0, 1, 2))
     g_n = g * weight.to(acc)
     # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g_n - n * mean(g_n * n)).
     grad_x = rstd * (g_n - n * (g_n * n).mean(-1, keepdim=True))
     grad_x = grad_x.to(dtype).to(acc)  # eager rounds at the norm's input cast (no-op in fp32)
+    if not rope_first:
+        normed = (weight * n_rounded.to(dtype)).to(acc)  # the norm's output, RoPE's input
+        u = grad_out.to(acc)
+        return grad_x, grad_weight, u * normed, u * rotate_half(normed)
     p = x_pre.to(acc)
-    grad_p = grad_x * cos4.to(acc) + rotate_half_transposed(grad_x * sin4.to(acc))
+    grad_p = grad_x * cos_a + rotate_half_transposed(grad_x * sin_a)
     return grad_p, grad_weight, grad_x * p, grad_x * rotate_half(p)
 
 
@@ -164,8 +180,10 @@ def qk_norm_rope_backward_reference(
     grad_v_proj: torch.Tensor,
     need_weight_grad: bool,
     need_cos_sin_grad: bool,
+    rope_first: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Elementwise backward of RoPE -> per-head RMSNorm for q and k (same signature as the Triton one).
+    """Elementwise backward of RoPE -> per-head RMSNorm (``rope_first=False``: RMSNorm -> RoPE)
+    for q and k (same signature as the Triton one).
 
     Args:
         grad_q [B, Hq, S, D], grad_k / grad_v [B, Hkv, S, D]: gradients of the op's outputs (any
@@ -185,8 +203,10 @@ def qk_norm_rope_backward_reference(
     batch, seq, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
-    gq_p, gq_w, q_cos, q_sin = _norm_rope_backward_one(grad_q, q.transpose(1, 2), q_rstd, cos4, sin4, q_weight)
-    gk_p, gk_w, k_cos, k_sin = _norm_rope_backward_one(grad_k, k.transpose(1, 2), k_rstd, cos4, sin4, k_weight)
+    gq_p, gq_w, q_cos, q_sin = _norm_rope_backward_one(grad_q, q.transpose(1, 2), q_rstd, cos4, sin4, q_weight,
+                                                       rope_first)
+    gk_p, gk_w, k_cos, k_sin = _norm_rope_backward_one(grad_k, k.transpose(1, 2), k_rstd, cos4, sin4, k_weight,
+                                                       rope_first)
     grad_q_proj.copy_(gq_p.transpose(1, 2).reshape(batch, seq, q_heads * head_dim))
     grad_k_proj.copy_(gk_p.transpose(1, 2).reshape(batch, seq, kv_heads * head_dim))
     grad_v_proj.copy_(grad_v.transpose(1, 2).reshape(batch, seq, kv_heads * head_dim))
@@ -217,6 +237,7 @@ def qkv_rope_qk_norm_backward_reference(
     has_bias: bool,
     need_norm_weight_grads: bool = True,
     need_cos_sin_grads: bool = False,
+    rope_first: bool = True,
 ) -> dict[str, torch.Tensor | list[torch.Tensor] | None]:
     """The whole backward in plain PyTorch (no output buffers to pass in): the test oracle.
 
@@ -233,7 +254,7 @@ def qkv_rope_qk_norm_backward_reference(
     gq_proj, gk_proj, gv_proj = (t.view(batch, seq, -1) for t in views)
     gq_w, gk_w, g_cos, g_sin = qk_norm_rope_backward_reference(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight,
-        gq_proj, gk_proj, gv_proj, need_norm_weight_grads, need_cos_sin_grads,
+        gq_proj, gk_proj, gv_proj, need_norm_weight_grads, need_cos_sin_grads, rope_first,
     )
     grads = [grad_qkv] if len(proj_weights) == 1 else list(views)
     grad_hidden, grad_ws, grad_bs = projection_gemms(grads, hidden.reshape(tokens, hidden.shape[-1]), proj_weights,

@@ -39,15 +39,23 @@ def rms_norm(x, w, eps=EPS):
     return w * (x32 * rstd).to(x.dtype)
 
 
-def forward_from_qkv(qkv, cos, sin, wq, wk, hq, hkv, d, rotated=None):
+def forward_from_qkv(qkv, cos, sin, wq, wk, hq, hkv, d, rotated=None, rope_first=True):
     """qkv [B, S, (hq+2hkv)*d] -> (query, key, value) [B, H, S, d], the module's attention inputs.
-    ``rotated``: a list that receives the RoPE outputs (the norms' inputs), grads retained."""
+    ``rotated``: a list that receives the RoPE outputs (the norms' inputs), grads retained.
+    ``rope_first=False``: Qwen3's order, the norm then RoPE (``rotated`` receives the norms' outputs)."""
     B, S, _ = qkv.shape
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q = q.view(B, S, hq, d).transpose(1, 2)
     k = k.view(B, S, hkv, d).transpose(1, 2)
     v = v.view(B, S, hkv, d).transpose(1, 2)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    if not rope_first:
+        q, k = rms_norm(q, wq), rms_norm(k, wk)
+        if rotated is not None:
+            for x in (q, k):
+                x.retain_grad()
+                rotated.append(x)
+        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
     if rotated is not None:
@@ -57,8 +65,9 @@ def forward_from_qkv(qkv, cos, sin, wq, wk, hq, hkv, d, rotated=None):
     return rms_norm(q, wq), rms_norm(k, wk), v
 
 
-def saved_for_backward(qkv, cos, sin, hq, hkv, d):
-    """What the forward op saves: pre-RoPE q/k views of qkv, fp32 rstd [B, H, S]."""
+def saved_for_backward(qkv, cos, sin, hq, hkv, d, rope_first=True):
+    """What the forward op saves: pre-RoPE q/k views of qkv, fp32 rstd [B, H, S] (of the norm's
+    input: rope(x), or x itself when ``rope_first=False``)."""
     B, S, _ = qkv.shape
     q = qkv[..., : hq * d].view(B, S, hq, d)
     k = qkv[..., hq * d: (hq + hkv) * d].view(B, S, hkv, d)
@@ -66,18 +75,41 @@ def saved_for_backward(qkv, cos, sin, hq, hkv, d):
 
     def rstd(x):  # x [B, S, H, D] -> [B, H, S]
         xt = x.transpose(1, 2)
-        xr = xt * c + rotate_half(xt) * s
+        xr = xt * c + rotate_half(xt) * s if rope_first else xt
         return torch.rsqrt(xr.float().pow(2).mean(-1) + EPS)
 
     return q, k, rstd(q), rstd(k)
 
 
-def autograd_grads(qkv, cos, sin, wq, wk, gq, gk, gv, hq, hkv, d, dtype=None):
+def autograd_grads(qkv, cos, sin, wq, wk, gq, gk, gv, hq, hkv, d, dtype=None, rope_first=True):
     """grads of (qkv, cos, sin, wq, wk) by autograd, computed in ``dtype`` (default: inputs')."""
     leaves = [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in (qkv, cos, sin, wq, wk)]
-    outs = forward_from_qkv(*leaves, hq, hkv, d)
+    outs = forward_from_qkv(*leaves, hq, hkv, d, rope_first=rope_first)
     torch.autograd.backward(outs, [g.to(leaves[0].dtype) for g in (gq, gk, gv)])
     return [t.grad for t in leaves]
+
+
+def norm_backward_term_scale(qkv, cos, sin, wq, wk, gq, gk, gv, hq, hkv, d):
+    """Qwen3's order (norm, then RoPE): [B, S, qkv_size], per element of grad_qkv the larger of
+    the two terms the norm's backward subtracts, |rstd * w * gy| and |x * rstd^3 * mean(w gy x)|
+    (gy = grad of the norm's output: RoPE's backward of the incoming grad, itself a rounded sum;
+    float64); 0 in the v columns. The scale at which one flipped rounding is compared."""
+    leaves = [t.detach().double().requires_grad_(True) for t in (qkv, cos, sin, wq, wk)]
+    normed = []
+    outs = forward_from_qkv(*leaves, hq, hkv, d, rotated=normed, rope_first=False)
+    torch.autograd.backward(outs, [g.double() for g in (gq, gk, gv)])
+    B, S, _ = qkv.shape
+    pre = leaves[0].detach()
+    xs = (pre[..., : hq * d].view(B, S, hq, d).transpose(1, 2),
+          pre[..., hq * d: (hq + hkv) * d].view(B, S, hkv, d).transpose(1, 2))
+    parts = []
+    for y, x, w in zip(normed, xs, (leaves[3].detach(), leaves[4].detach())):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+        gn = y.grad * w
+        terms = torch.maximum((rstd * gn).abs(), (x * rstd ** 3 * (gn * x).mean(-1, keepdim=True)).abs())
+        parts.append(terms.transpose(1, 2).reshape(B, S, -1))
+    parts.append(torch.zeros(B, S, hkv * d, dtype=torch.float64, device=qkv.device))
+    return torch.cat(parts, dim=-1)
 
 
 def rope_backward_term_scale(qkv, cos, sin, wq, wk, gq, gk, gv, hq, hkv, d):
@@ -128,16 +160,16 @@ def make_case(B, S, hq, hkv, d, bc, dtype, seed=0, real_rope=False, strided_grad
 
 
 def run_kernel(qkv, cos, sin, wq, wk, gq, gk, gv, hq, hkv, d, need_w=True, need_cs=True,
-               num_programs=None, rstd_override=None):
+               num_programs=None, rstd_override=None, rope_first=True):
     B, S, N = qkv.shape
-    q, k, rq, rk = saved_for_backward(qkv, cos, sin, hq, hkv, d)
+    q, k, rq, rk = saved_for_backward(qkv, cos, sin, hq, hkv, d, rope_first)
     if rstd_override is not None:
         rq, rk = rstd_override(rq), rstd_override(rk)
     grad_qkv = torch.full((B * S, N), float("nan"), device=qkv.device, dtype=qkv.dtype)
     outs = kb.qk_norm_rope_backward_triton(
         gq, gk, gv, q, k, rq, rk, cos, sin, wq, wk,
         grad_qkv[:, : hq * d], grad_qkv[:, hq * d: (hq + hkv) * d], grad_qkv[:, (hq + hkv) * d:],
-        need_weight_grad=need_w, need_cos_sin_grad=need_cs, num_programs=num_programs,
+        need_weight_grad=need_w, need_cos_sin_grad=need_cs, num_programs=num_programs, rope_first=rope_first,
     )
     return grad_qkv.view(B, S, N), *outs
 
@@ -160,13 +192,14 @@ NAMES = ("grad_qkv", "grad_cos", "grad_sin", "grad_q_weight", "grad_k_weight")
 
 
 def check_case(B, S, hq, hkv, d, bc, dtype, need_w=True, need_cs=True, seed=0, real_rope=False,
-               num_programs=None, strided_grads=True):
+               num_programs=None, strided_grads=True, rope_first=True):
     case = make_case(B, S, hq, hkv, d, bc, dtype, seed=seed, real_rope=real_rope, strided_grads=strided_grads)
     qkv, cos, sin, wq, wk, gq, gk, gv = case
-    grad_qkv, gqw, gkw, gcos, gsin = run_kernel(*case, hq, hkv, d, need_w, need_cs, num_programs)
+    grad_qkv, gqw, gkw, gcos, gsin = run_kernel(*case, hq, hkv, d, need_w, need_cs, num_programs,
+                                                rope_first=rope_first)
     assert not torch.isnan(grad_qkv).any(), "grad_qkv not fully written"
-    ref64 = autograd_grads(*case, hq, hkv, d, dtype=torch.float64)
-    ref_dt = autograd_grads(*case, hq, hkv, d)
+    ref64 = autograd_grads(*case, hq, hkv, d, dtype=torch.float64, rope_first=rope_first)
+    ref_dt = autograd_grads(*case, hq, hkv, d, rope_first=rope_first)
     ours = {"grad_qkv": grad_qkv, "grad_cos": gcos, "grad_sin": gsin, "grad_q_weight": gqw, "grad_k_weight": gkw}
     order = {"grad_qkv": 0, "grad_cos": 1, "grad_sin": 2, "grad_q_weight": 3, "grad_k_weight": 4}
     errs = {}
@@ -189,7 +222,8 @@ def check_case(B, S, hq, hkv, d, bc, dtype, need_w=True, need_cs=True, seed=0, r
     # ulps of the small result: 2 ulps of -0.0776 in a row reaching 4.4, seen on CPU).
     if dtype != torch.float32:
         diff = (grad_qkv.float() - ref_dt[0].float()).abs()
-        scale = torch.maximum(ref_dt[0].double().abs(), rope_backward_term_scale(*case, hq, hkv, d)).float()
+        terms = (rope_backward_term_scale if rope_first else norm_backward_term_scale)(*case, hq, hkv, d)
+        scale = torch.maximum(ref_dt[0].double().abs(), terms).float()
         ulp = bf16_ulp(scale) if dtype == torch.bfloat16 else bf16_ulp(scale) / 8
         assert (diff <= ulp).all(), f"max diff {(diff / ulp).max().item():.2f} ulp"
         assert (diff == 0).float().mean().item() >= 0.99
@@ -223,6 +257,40 @@ both_tilings = pytest.mark.usefixtures("tiling")
 )
 def test_elementwise_matches_autograd(B, S, hq, hkv, d, bc, dtype):
     check_case(B, S, hq, hkv, d, bc, dtype)
+
+
+@both_tilings
+@pytest.mark.parametrize(
+    "B,S,hq,hkv,d,bc,dtype",
+    [
+        (3, 5, 4, 2, 64, 1, torch.float32),  # Bc = 1 < B
+        (2, 5, 8, 2, 128, 2, torch.bfloat16),
+        (2, 7, 3, 3, 64, 1, torch.bfloat16),
+        (1, 7, 4, 2, 128, 1, torch.float16),
+    ],
+)
+def test_elementwise_norm_first_matches_autograd(B, S, hq, hkv, d, bc, dtype):
+    """Qwen3's order, rope(norm(x)): the same kernels with ``rope_first=False``."""
+    check_case(B, S, hq, hkv, d, bc, dtype, rope_first=False)
+
+
+@pytest.mark.parametrize("rope_first", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_autograd_in_both_orders(rope_first, dtype):
+    """The PyTorch reference (CPU graphs run it) in both orders, against float64 autograd."""
+    from fusion_pass.kernels.qkv_rope_qk_norm_reference import qk_norm_rope_backward_reference
+
+    hq, hkv, d, B, S = 4, 2, 64, 2, 5
+    case = make_case(B, S, hq, hkv, d, 1, dtype)
+    qkv, cos, sin, wq, wk, gq, gk, gv = case
+    q, k, rq, rk = saved_for_backward(qkv, cos, sin, hq, hkv, d, rope_first)
+    grad_qkv = torch.full((B * S, qkv.shape[-1]), float("nan"), device=qkv.device, dtype=dtype)
+    parts = [t.view(B, S, -1) for t in grad_qkv.split([hq * d, hkv * d, hkv * d], dim=1)]
+    gqw, gkw, gcos, gsin = qk_norm_rope_backward_reference(gq, gk, gv, q, k, rq, rk, cos, sin, wq, wk, *parts,
+                                                           True, True, rope_first)
+    ref64 = autograd_grads(*case, hq, hkv, d, dtype=torch.float64, rope_first=rope_first)
+    for got, want in zip((grad_qkv.view(B, S, -1), gcos, gsin, gqw, gkw), ref64):
+        assert rel_err(got, want) <= TOL_VS_F64[dtype]
 
 
 @both_tilings
