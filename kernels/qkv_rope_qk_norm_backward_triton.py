@@ -1,4 +1,5 @@
-"""Backward of QKV projection -> RoPE -> per-head RMSNorm (HunYuanDenseV1 / HunyuanImage-3 order).
+"""Backward of QKV projection -> RoPE -> per-head RMSNorm (HunYuanDenseV1 / HunyuanImage-3 order),
+and of the norm-then-RoPE order (Qwen3).
 
 The forward being differentiated (eager bf16, RoPE *before* the norm)::
 
@@ -21,6 +22,12 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
        dx  = R(rstd*gn - x * rstd^3 * sum(gn*x)/D)         # fp32 RMSNorm backward, then .to(dtype)
        dq1 = R(R(dx1*c1) + R(dx2*s2));  dq2 = R(R(dx2*c2) - R(dx1*s1))   # RoPE^T
        grad_cos += R(dx*q);  grad_sin += R(dx*rotate_half(q))  (summed over heads of q and k)
+
+   Qwen3's order, ``rope_first=False`` (constexpr ``NORM_FIRST``), differentiates
+   ``y = rope(n)``, ``n = R(w * R(q*rstd))``, rstd over q itself: RoPE's backward comes first,
+   on the incoming grad (``gy = R(R(g*c1) + R(g2*s2))``, ... as dq above), then the same norm
+   backward with gy for g and q for x, whose dx is d(proj); grad_cos += R(g*n), grad_sin +=
+   R(g*rotate_half(n)), with n recomputed. The RoPE-first expressions are untouched.
 
    Each R(.) mirrors one rounding that autograd performs on the eager bf16 graph, so d(qkv) equals
    autograd's up to the fp32 summation order of sum(gn*x) (measured in the tests: within 1 bf16

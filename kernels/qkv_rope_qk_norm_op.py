@@ -162,8 +162,11 @@ def qkv_rope_qk_norm(
     num_kv_heads: int,
     q_eps: float,
     k_eps: float,
+    *,
+    rope_first: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
-    """QKV projection(s), split into heads, rotate_half RoPE, then per-head RMSNorm of q and k.
+    """QKV projection(s), split into heads, rotate_half RoPE, then per-head RMSNorm of q and k
+    (``rope_first=False``: the norm, then RoPE, as Qwen3 orders them).
 
     Args:
         hidden: [B, S, K] projection input.
@@ -174,6 +177,7 @@ def qkv_rope_qk_norm(
         cos, sin: [Bc, S, D] rotary tables, Bc = 1 or B (as the rotary module returns them).
         num_q_heads, num_kv_heads: Hq and Hkv (Hq a multiple of Hkv).
         q_eps, k_eps: the two norms' epsilons.
+        rope_first: HunYuanDenseV1's order (RoPE, then the norm); False: Qwen3's.
 
     Every tensor has hidden's dtype (bf16, fp16 or fp32) and device.
 
@@ -189,7 +193,7 @@ def qkv_rope_qk_norm(
     )
     q_out, k_out, v, q_rstd, k_rstd, proj = qkv_rope_qk_norm_forward_reference(
         hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin,
-        num_q_heads, num_kv_heads, q_eps, k_eps,
+        num_q_heads, num_kv_heads, q_eps, k_eps, rope_first,
     )
     if len(proj) == 1:
         saved = proj
@@ -203,7 +207,7 @@ def qkv_rope_qk_norm(
 
 @qkv_rope_qk_norm.register_fake
 def _(hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads,
-      q_eps, k_eps):
+      q_eps, k_eps, *, rope_first=True):
     check_qkv_rope_qk_norm_args(
         hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads
     )
@@ -329,7 +333,7 @@ _LIB.define(
     "qkv_rope_qk_norm_backward(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor q, Tensor k, "
     "Tensor q_rstd, Tensor k_rstd, Tensor cos, Tensor sin, Tensor q_norm_weight, Tensor k_norm_weight, "
     "Tensor hidden, Tensor[] proj_weights, bool has_bias, bool need_hidden_grad, bool need_proj_grads, "
-    "bool need_norm_weight_grads, bool need_cos_sin_grads) "
+    "bool need_norm_weight_grads, bool need_cos_sin_grads, bool rope_first=True) "
     "-> (Tensor[], Tensor[], Tensor[], Tensor[], Tensor[])",
     tags=(torch.Tag.pt2_compliant_tag,),  # as custom_op tagged it
 )
@@ -354,6 +358,7 @@ def qkv_rope_qk_norm_backward(
     need_proj_grads: bool,
     need_norm_weight_grads: bool,
     need_cos_sin_grads: bool,
+    rope_first: bool = True,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
     """Backward of ``fusion_pass::qkv_rope_qk_norm``.
 
@@ -366,6 +371,7 @@ def qkv_rope_qk_norm_backward(
         proj_weights: ``[qkv_weight]`` or ``[q_weight, k_weight, v_weight]``.
         has_bias: the projections have biases (their gradients are returned).
         need_*: which gradients to compute.
+        rope_first: the forward's order (False: the norm, then RoPE).
 
     Returns:
         Five lists, each empty when not asked for: ``[grad_hidden]``, the projection weights'
@@ -389,6 +395,7 @@ def qkv_rope_qk_norm_backward(
     grad_q_weight, grad_k_weight, grad_cos, grad_sin = elementwise_backward_implementation(q)(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos.contiguous(), sin.contiguous(),
         q_norm_weight, k_norm_weight, gq_proj, gk_proj, gv_proj, need_norm_weight_grads, need_cos_sin_grads,
+        rope_first=rope_first,
     )
     return _with_projection_gemms(grad_proj, (q_size, kv_size), hidden, proj_weights, has_bias, need_hidden_grad,
                                   need_proj_grads, (grad_q_weight, grad_k_weight, grad_cos, grad_sin),
@@ -420,7 +427,8 @@ _LIB.impl("qkv_rope_qk_norm_backward", qkv_rope_qk_norm_backward, "CompositeExpl
 
 
 def _backward_fake(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden, proj_weights,
-                   has_bias, need_hidden_grad, need_proj_grads, need_norm_weight_grads, need_cos_sin_grads):
+                   has_bias, need_hidden_grad, need_proj_grads, need_norm_weight_grads, need_cos_sin_grads,
+                   rope_first=True):
     check_qkv_rope_qk_norm_backward_args(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden, proj_weights
     )
@@ -436,7 +444,7 @@ def _backward_fake(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_nor
 torch.library.register_fake("fusion_pass::qkv_rope_qk_norm_backward", _backward_fake, lib=_LIB)
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     (hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin,
      num_q_heads, num_kv_heads, _q_eps, _k_eps) = inputs
     _q, _k, _v, q_rstd, k_rstd, saved_proj = output
@@ -446,6 +454,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.num_weights = len(proj_weights)
     ctx.has_bias = bool(proj_biases)
     ctx.heads = (num_q_heads, num_kv_heads)
+    ctx.rope_first = keyword_only_inputs.get("rope_first", True)
 
 
 def _dense_last_dim(grad: Tensor | None, like: Tensor, shape) -> Tensor:
@@ -488,7 +497,7 @@ def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weight
         backward = _backward_in_graph
     grad_hidden, grad_weights, grad_biases, grad_norm, grad_cos_sin = backward(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden,
-        list(proj_weights), ctx.has_bias, need_hidden, need_proj, need_norm, need_cos_sin,
+        list(proj_weights), ctx.has_bias, need_hidden, need_proj, need_norm, need_cos_sin, ctx.rope_first,
     )
     return (
         grad_hidden[0] if need_hidden else None,
@@ -503,7 +512,7 @@ def _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden: bool, need_weight
 
 def _backward_in_graph(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_norm_weight, k_norm_weight, hidden,
                        proj_weights, has_bias, need_hidden_grad, need_proj_grads, need_norm_weight_grads,
-                       need_cos_sin_grads):
+                       need_cos_sin_grads, rope_first=True):
     """``qkv_rope_qk_norm_backward`` (same arguments and results) as traced graph nodes: the
     elementwise Triton pass as kernel nodes, then the GEMMs as torch ops. The training pattern
     checked the arguments when it matched; nothing is checked per call."""
@@ -512,7 +521,7 @@ def _backward_in_graph(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q
     q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
     grad_proj, grad_q_weight, grad_k_weight, grad_cos, grad_sin = qk_norm_rope_backward_in_graph(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos.contiguous(), sin.contiguous(), q_norm_weight,
-        k_norm_weight, need_norm_weight_grads, need_cos_sin_grads)
+        k_norm_weight, need_norm_weight_grads, need_cos_sin_grads, rope_first)
     return _with_projection_gemms(grad_proj, (q_size, kv_size), hidden, proj_weights, has_bias, need_hidden_grad,
                                   need_proj_grads, (grad_q_weight, grad_k_weight, grad_cos, grad_sin),
                                   need_norm_weight_grads, need_cos_sin_grads)
@@ -523,7 +532,7 @@ def _backward(ctx, grad_q, grad_k, grad_v, _grad_q_rstd, _grad_k_rstd, _grad_sav
      *_) = ctx.needs_input_grad
     grads = _region_backward(ctx, grad_q, grad_k, grad_v, need_hidden, need_weights, need_biases,
                              need_q_w, need_k_w, need_cos, need_sin)
-    return (*grads, None, None, None, None)
+    return (*grads, None, None, None, None)  # keyword-only rope_first gets no gradient slot
 
 
 qkv_rope_qk_norm.register_autograd(_backward, setup_context=_setup_context)
@@ -543,18 +552,18 @@ class QKVRopeQKNormFunction(torch.autograd.Function):
     backward is ours. Same saved tensors as the op (pre-RoPE projections, fp32 rstd).
 
     ``apply(hidden, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads, q_eps, k_eps,
-    num_weights, *proj_weights, *proj_biases)`` with the shapes of ``qkv_rope_qk_norm``; returns
+    rope_first, num_weights, *proj_weights, *proj_biases)`` with the shapes of ``qkv_rope_qk_norm``; returns
     (q [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) with the eager model's strides.
     """
 
     @staticmethod
     def forward(ctx, hidden, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads, q_eps, k_eps,
-                num_weights, *weights_and_biases):
+                rope_first, num_weights, *weights_and_biases):
         proj_weights = list(weights_and_biases[:num_weights])
         proj_biases = list(weights_and_biases[num_weights:])
         q_out, k_out, v, q_rstd, k_rstd, proj = qkv_rope_qk_norm_forward_reference(
             hidden, proj_weights, proj_biases, q_norm_weight, k_norm_weight, cos, sin,
-            num_q_heads, num_kv_heads, q_eps, k_eps,
+            num_q_heads, num_kv_heads, q_eps, k_eps, rope_first,
         )
         saved_proj = proj if len(proj) == 1 else proj[:2]
         ctx.set_materialize_grads(False)
@@ -563,16 +572,17 @@ class QKVRopeQKNormFunction(torch.autograd.Function):
         ctx.num_weights = num_weights
         ctx.has_bias = bool(proj_biases)
         ctx.heads = (num_q_heads, num_kv_heads)
+        ctx.rope_first = rope_first
         return q_out, k_out, v
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_v):
         need = ctx.needs_input_grad
         n = ctx.num_weights
-        need_weights, need_biases = list(need[10:10 + n]), list(need[10 + n:])
+        need_weights, need_biases = list(need[11:11 + n]), list(need[11 + n:])
         grad_hidden, grad_weights, grad_biases, grad_q_w, grad_k_w, grad_cos, grad_sin = _region_backward(
             ctx, grad_q, grad_k, grad_v, need[0], need_weights, need_biases, need[1], need[2], need[3], need[4],
             in_graph=True)
-        return (grad_hidden, grad_q_w, grad_k_w, grad_cos, grad_sin, None, None, None, None, None,
+        return (grad_hidden, grad_q_w, grad_k_w, grad_cos, grad_sin, None, None, None, None, None, None,
                 *grad_weights, *grad_biases)
 

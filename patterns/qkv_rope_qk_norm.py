@@ -1,4 +1,4 @@
-"""QKV projection -> RoPE -> per-head RMSNorm, forward and backward as two custom ops.
+"""QKV projection -> RoPE -> per-head RMSNorm (or the norm, then RoPE), trained with our backward.
 
 Matched in the joint (forward + backward) graph, from ``joint_custom_pre_pass``: only there can
 the gradient formulas change. ``no_grad`` graphs pass through the same hook but are left alone:
@@ -23,6 +23,14 @@ unfused, separate weights (Hugging Face ``HunYuanDenseV1Attention.forward``)::
     query_states = self.query_layernorm(query_states)
     key_states = self.key_layernorm(key_states)
 
+unfused, Qwen3's order (Hugging Face ``Qwen3Attention.forward``; Qwen3-MoE, GLM-4-MoE, Dots1
+alike): the per-head norm on the [B, S, H, D] view, before the transpose and RoPE::
+
+    query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
     with apply_rotary_pos_emb = (cos, sin = cos.unsqueeze(1), sin.unsqueeze(1);
                                  q * cos + rotate_half(q) * sin; likewise k)
     and RMSNorm(x) = weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -31,8 +39,8 @@ fused (``kernels/qkv_rope_qk_norm_op.py``, ``QKVRopeQKNormFunction``)::
 
     q, k, v = QKVRopeQKNormFunction.apply(
         hidden_states, q_norm_weight, k_norm_weight, cos, sin, Hq, Hkv, q_eps, k_eps,
-        1 or 3, *weights, *biases)
-    # forward: the same projection -> RoPE -> norm in plain torch ops, plus the fp32 rstd it
+        rope_first, 1 or 3, *weights, *biases)
+    # forward: the same projection -> RoPE -> norm (or norm -> RoPE) in plain torch ops, plus the fp32 rstd it
     #   saves; Inductor compiles it into its own fused kernels, as it does the model's code.
     # backward (CUDA): the elementwise Triton pass as kernel nodes of the graph, writing grad_qkv
     #   in [B*S, qkv_size], then the GEMMs as aten.mm nodes: Inductor launches all of it from its
@@ -41,15 +49,17 @@ fused (``kernels/qkv_rope_qk_norm_op.py``, ``QKVRopeQKNormFunction``)::
 
 The matched region ends v at the projection output (see _V_OUTSIDE) and starts at the
 unsqueezed cos/sin. Not matched (no fusion, no wrong result): the official HunyuanImage-3.0
-layout, whose fused rows are grouped per kv head ([q * G, k, v] x Hkv, split at dim 3), norm
-before RoPE, partial rotary, autocast (casts before the GEMMs), frozen projection weights with a
-trainable input (LoRA), and ``dynamic=True`` without ``specialize_float`` (reported).
+layout, whose fused rows are grouped per kv head ([q * G, k, v] x Hkv, split at dim 3), the
+norm after the transpose in Qwen3's order (Gemma3), other norm forms, partial rotary, autocast
+(casts before the GEMMs), frozen projection weights with a trainable input (LoRA), and
+``dynamic=True`` without ``specialize_float`` (reported).
 
 Variants (one registration each; generated below from ONE search function per structure):
 structure (fused / separate) x bias (no / yes) x dtype family (fp32: no casts; bf16 and fp16:
 the norm's casts) x norm weights (trainable / frozen) x cos and sin (constants / requiring
-grad): every ``requires_grad`` combination changes the joint graph (32 registrations). The ``unsqueeze(cos, 1)`` nodes are outside the pattern (the search functions
-take the unsqueezed tables): Inductor's CSE merges them across layers, so inside a pattern they
+grad): every ``requires_grad`` combination changes the joint graph (32 registrations); and
+Qwen3's order with constant cos/sin (16 more). The ``unsqueeze(cos, 1)`` nodes are outside the
+pattern (the search functions take the unsqueezed tables): Inductor's CSE merges them across layers, so inside a pattern they
 would have users outside it. The fused split sizes and both epsilons are captured as scalars
 (``scalar_workaround``); everything the replacements compute comes from the bound values.
 """
@@ -107,28 +117,39 @@ def _rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps):
     return query_states, key_states
 
 
+def _heads_then_rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps, rope_first):
+    """q, k [B, S, H, D] (the projections' views) -> the attention's q, k [B, H, S, D]: transpose,
+    RoPE, norm (HunYuanDenseV1); or, ``rope_first=False``, norm, transpose, RoPE (Qwen3)."""
+    if rope_first:
+        return _rope_norm(q.transpose(1, 2), k.transpose(1, 2), cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps)
+    q = rms_norm_reference(q, q_norm_weight, q_eps).transpose(1, 2)
+    k = rms_norm_reference(k, k_norm_weight, k_eps).transpose(1, 2)
+    return _apply_rotary_pos_emb(q, k, cos, sin)
+
+
 def _fused_qkv_search(
-    hidden, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos, sin, q_eps, k_eps, q_size, kv_size
+    hidden, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos, sin, q_eps, k_eps, q_size, kv_size,
+    rope_first=True,
 ):
     bsz, q_len = hidden.shape[0], hidden.shape[1]
     head_dim = q_norm_weight.shape[0]
     qkv = F.linear(hidden, qkv_weight, qkv_bias)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(bsz, q_len, -1, head_dim).transpose(1, 2)
-    k = k.view(bsz, q_len, -1, head_dim).transpose(1, 2)
+    q = q.view(bsz, q_len, -1, head_dim)
+    k = k.view(bsz, q_len, -1, head_dim)
     # v's view and transpose stay outside: see _V_OUTSIDE.
-    return (*_rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps), v)
+    return (*_heads_then_rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps, rope_first), v)
 
 
 def _separate_qkv_search(
     hidden, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos, sin,
-    q_eps, k_eps,
+    q_eps, k_eps, rope_first=True,
 ):
     hidden_shape = (*hidden.shape[:-1], -1, q_norm_weight.shape[0])
-    q = F.linear(hidden, q_weight, q_bias).view(hidden_shape).transpose(1, 2)
-    k = F.linear(hidden, k_weight, k_bias).view(hidden_shape).transpose(1, 2)
+    q = F.linear(hidden, q_weight, q_bias).view(hidden_shape)
+    k = F.linear(hidden, k_weight, k_bias).view(hidden_shape)
     v = F.linear(hidden, v_weight, v_bias)  # .view(hidden_shape).transpose(1, 2) stays outside
-    return (*_rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps), v)
+    return (*_heads_then_rope_norm(q, k, cos, sin, q_norm_weight, k_norm_weight, q_eps, k_eps, rope_first), v)
 
 
 # _V_OUTSIDE: the patterns end v at the projection output ([B, S, Hkv * D]). Its view and
@@ -144,35 +165,37 @@ def _separate_qkv_search(
 # ----------------------------------------------------------------------------------------------
 
 
-def _fused_op(hidden, weights, biases, q_norm_weight, k_norm_weight, cos, sin, q_heads, kv_heads, q_eps, k_eps):
+def _fused_op(hidden, weights, biases, q_norm_weight, k_norm_weight, cos, sin, q_heads, kv_heads, q_eps, k_eps,
+              rope_first):
     # Forward in plain torch ops (Inductor fuses it as it fuses the model's code), backward ours.
     q, k, v = QKVRopeQKNormFunction.apply(
         hidden, q_norm_weight, k_norm_weight, cos.squeeze(1), sin.squeeze(1), q_heads, kv_heads, q_eps, k_eps,
-        len(weights), *weights, *biases,
+        rope_first, len(weights), *weights, *biases,
     )
     # v [B, Hkv, S, D] ([B, S, Hkv, D] in memory) -> [B, S, Hkv * D], a view (see _V_OUTSIDE).
     return q, k, v.transpose(1, 2).flatten(2)
 
 
 def _fused_qkv_replacement(
-    hidden, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos, sin, q_eps, k_eps, q_size, kv_size
+    hidden, qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos, sin, q_eps, k_eps, q_size, kv_size,
+    rope_first=True,
 ):
     head_dim = q_norm_weight.shape[0]
     return _fused_op(
         hidden, [qkv_weight], [] if qkv_bias is None else [qkv_bias], q_norm_weight, k_norm_weight, cos, sin,
-        q_size // head_dim, kv_size // head_dim, q_eps, k_eps,
+        q_size // head_dim, kv_size // head_dim, q_eps, k_eps, rope_first,
     )
 
 
 def _separate_qkv_replacement(
     hidden, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, q_norm_weight, k_norm_weight, cos, sin,
-    q_eps, k_eps,
+    q_eps, k_eps, rope_first=True,
 ):
     head_dim = q_norm_weight.shape[0]
     biases = [] if q_bias is None else [q_bias, k_bias, v_bias]
     return _fused_op(
         hidden, [q_weight, k_weight, v_weight], biases, q_norm_weight, k_norm_weight, cos, sin,
-        q_weight.shape[0] // head_dim, k_weight.shape[0] // head_dim, q_eps, k_eps,
+        q_weight.shape[0] // head_dim, k_weight.shape[0] // head_dim, q_eps, k_eps, rope_first,
     )
 
 
@@ -505,25 +528,30 @@ def _example_inputs(structure: str, bias: bool, dtype: torch.dtype, norm_grad: b
 
 
 def variant_name(structure: str, bias: bool, dtype: torch.dtype, training: bool, norm_grad: bool = False,
-                 rope_grad: bool = False) -> str:
-    """The registration's name, e.g. ``fused_bias_lowp_joint_normgrad_ropeconst`` (lowp: bf16/fp16)."""
+                 rope_grad: bool = False, rope_first: bool = True) -> str:
+    """The registration's name, e.g. ``fused_bias_lowp_joint_normgrad_ropeconst`` (lowp: bf16/fp16;
+    Qwen3's order, the norm before RoPE, ends in ``_normfirst``)."""
     dtype_name = "fp32" if dtype == torch.float32 else "lowp"
     mode = "inference"
     if training:
         mode = f"joint_norm{'grad' if norm_grad else 'frozen'}_rope{'grad' if rope_grad else 'const'}"
-    return f"{structure}_{'bias' if bias else 'nobias'}_{dtype_name}_{mode}"
+    return f"{structure}_{'bias' if bias else 'nobias'}_{dtype_name}_{mode}{'' if rope_first else '_normfirst'}"
 
 
 def _variants():
-    """(structure, bias, dtype, training, norm_grad, rope_grad) of every registration.
+    """(structure, bias, dtype, training, norm_grad, rope_grad, rope_first) of every registration.
 
     Joint graphs only: the replacement's forward is the region's own computation in torch ops
     (only the backward is ours), so a ``no_grad`` graph has nothing to gain and is left alone.
+    Qwen3's order (``rope_first=False``) only with constant cos/sin: its models take the tables
+    from a rotary module without parameters, and each variant costs compile time.
     """
     for structure, bias, dtype in itertools.product(("fused", "separate"), (False, True),
                                                     (torch.float32, torch.bfloat16)):
         for norm_grad, rope_grad in itertools.product((True, False), (False, True)):
-            yield structure, bias, dtype, True, norm_grad, rope_grad
+            yield structure, bias, dtype, True, norm_grad, rope_grad, True
+        for norm_grad in (True, False):
+            yield structure, bias, dtype, True, norm_grad, False, False
 
 
 def applies_to(graph: torch.fx.Graph) -> bool:
@@ -539,7 +567,7 @@ def register(pass_dict: PatternMatcherPass) -> None:
     ``fusion_pass.passes`` calls this outside any compile's tracing context, under a fresh
     FakeTensorMode and with inference mode off (the joint patterns need autograd).
     """
-    for structure, bias, dtype, training, norm_grad, rope_grad in _variants():
+    for structure, bias, dtype, training, norm_grad, rope_grad, rope_first in _variants():
         if structure == "fused":
             search, replace, check = _fused_qkv_search, _fused_qkv_replacement, _check_fused
             scalars = {**_EPS_WORKAROUND, **_SIZE_WORKAROUND}
@@ -551,10 +579,12 @@ def register(pass_dict: PatternMatcherPass) -> None:
             tensor_names = ("hidden", "q_weight", "k_weight", "v_weight", "q_bias", "k_bias", "v_bias",
                             "q_norm_weight", "k_norm_weight", "cos", "sin")
             no_bias = {"q_bias": None, "k_bias": None, "v_bias": None}
+        fixed = dict(rope_first=rope_first)
         if not bias:
-            search, replace = _without(search, **no_bias), _without(replace, **no_bias)
+            fixed.update(no_bias)
             tensor_names = tuple(n for n in tensor_names if n not in no_bias)
-        name = variant_name(structure, bias, dtype, training, norm_grad, rope_grad)
+        search, replace = _without(search, **fixed), _without(replace, **fixed)
+        name = variant_name(structure, bias, dtype, training, norm_grad, rope_grad, rope_first)
         example_inputs = _example_inputs(structure, bias, dtype, norm_grad, rope_grad, training)
         trace_fn = _joint_fwd_bwd_static_ints
         pattern = gen_pattern(search, example_inputs, trace_fn, scalars, tensor_names)

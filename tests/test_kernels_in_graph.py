@@ -234,7 +234,7 @@ def test_training_replacement_traces_kernel_nodes_and_mm_nodes(kernels_in_cpu_gr
     inputs = [t(B, S, K), t((HQ + 2 * HKV) * D, K), t(D), t(D), t(1, S, D, grad=False), t(1, S, D, grad=False)]
 
     def region(x, w, qw, kw, cos, sin):
-        return training_op.QKVRopeQKNormFunction.apply(x, qw, kw, cos, sin, HQ, HKV, 1e-6, 1e-6, 1, w)
+        return training_op.QKVRopeQKNormFunction.apply(x, qw, kw, cos, sin, HQ, HKV, 1e-6, 1e-6, True, 1, w)
 
     joint = joint_fwd_bwd(region, inputs)
     hops = _hop_nodes(joint)
