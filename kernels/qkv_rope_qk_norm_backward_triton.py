@@ -236,6 +236,24 @@ def _rope_backward(u1, u2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.const
 
 
 @triton.jit
+def _norm_input_and_grad(q1, q2, g1, g2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.constexpr,
+                         NORM_FIRST: tl.constexpr):
+    """The halves of the norm's input x and of the gradient reaching the norm's output, from
+    the pre-RoPE q and the incoming grad g: (rope(q) recomputed with eager's roundings, g), or
+    NORM_FIRST (q, RoPE's backward of g)."""
+    if NORM_FIRST:
+        x1 = q1
+        x2 = q2
+        gy1, gy2 = _rope_backward(g1, g2, c1, c2, s1, s2, ROUND, INTERP)
+    else:  # x = R(R(q*cos) + R(rotate_half(q)*sin))
+        x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
+        x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+        gy1 = g1
+        gy2 = g2
+    return x1, x2, gy1, gy2
+
+
+@triton.jit
 def _qk_tile(
     g_ptr, g_sb, g_sh, g_ss,  # grad of the normed rows [B, H, S, D]
     x_ptr, x_sb, x_ss, x_sh,  # pre-RoPE rows [B, S, H, D]
@@ -295,15 +313,7 @@ def _qk_tile(
 
     g0_1 = g1
     g0_2 = g2
-    if NORM_FIRST:
-        # The norm's input is q; the gradient reaching the norm's output is RoPE's backward of g.
-        x1 = q1
-        x2 = q2
-        g1, g2 = _rope_backward(g0_1, g0_2, c1, c2, s1, s2, ROUND, INTERP)
-    else:
-        # RoPE recomputed with eager's roundings: x = R(R(q*cos) + R(rotate_half(q)*sin)).
-        x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
-        x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
 
     gn1 = _rnd(g1 * w1[None, None, :], ROUND, INTERP)
     gn2 = _rnd(g2 * w2[None, None, :], ROUND, INTERP)
@@ -493,13 +503,7 @@ def _qk_head_rows(
 
     g0_1 = g1
     g0_2 = g2
-    if NORM_FIRST:
-        x1 = q1
-        x2 = q2
-        g1, g2 = _rope_backward(g0_1, g0_2, c1, c2, s1, s2, ROUND, INTERP)
-    else:
-        x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
-        x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
     gn1 = _rnd(g1 * w1[None, :], ROUND, INTERP)
     gn2 = _rnd(g2 * w2[None, :], ROUND, INTERP)
     dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BT]: across the lanes of one warp

@@ -180,7 +180,7 @@ def variants() -> dict:
     out["control_rope_sum_without_round_sum"] = (_rope_sum_without_round_sum, {}, dict(BLOCK=128), set(), dict(num_warps=4))
     for need in (False, True):
         constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BHQ=32, BTQ=1, BHK=8,
-                          BTK=4, BHV=8, BTV=4, ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need)
+                          BTK=4, BHV=8, BTV=4, ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need, NORM_FIRST=False)
         out[f"backward_elementwise_bf16_d128{'_with_grads' if need else ''}"] = (
             backward._qk_norm_rope_bwd_kernel, bwd_pointers, constexprs, set(),
             dict(num_warps=backward.ELEMENTWISE_NUM_WARPS))
@@ -191,7 +191,7 @@ def variants() -> dict:
                                          ("_with_grads_sliced", True, False, 4)):
         constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BT=backward.ROWS_TOKENS, NS=slices,
                           ROUND=1, CS_ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need, CS_DIRECT=direct,
-                          STAGES=backward.ROWS_STAGES)
+                          STAGES=backward.ROWS_STAGES, NORM_FIRST=False)
         out[f"backward_rows_bf16_d128{suffix}"] = (
             backward._qk_norm_rope_bwd_rows_kernel, rows_pointers, constexprs, set(),
             dict(num_warps=backward.ROWS_NUM_WARPS))
@@ -221,6 +221,10 @@ def variants() -> dict:
         fn, pointers, constexprs, floats, options = out[name]
         out[name.replace("backward", "backward_graph")] = (
             inductor_source(entry), pointers, dict(constexprs, **layout, **sizes), floats, options)
+    # Qwen3's order (norm, then RoPE): the same graph entries with NORM_FIRST.
+    for name in ("backward_graph_elementwise_bf16_d128_with_grads", "backward_graph_rows_bf16_d128_with_grads"):
+        fn, pointers, constexprs, floats, options = out[name]
+        out[f"{name}_norm_first"] = (fn, pointers, dict(constexprs, NORM_FIRST=True), floats, options)
     fn, pointers, constexprs, floats, options = out["backward_finish_w1_cs1"]
     out["backward_graph_finish_w1_cs1"] = (
         inductor_source(backward._finish_partials_graph_kernel), pointers,

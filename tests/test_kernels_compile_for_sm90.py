@@ -53,6 +53,7 @@ VARIANTS = [
     # the graph entries (every scalar a constexpr), as Inductor emits them
     "backward_graph_elementwise_bf16_d128_with_grads", "backward_graph_rows_bf16_d128_with_grads",
     "backward_graph_finish_w1_cs1",
+    "backward_graph_elementwise_bf16_d128_with_grads_norm_first", "backward_graph_rows_bf16_d128_with_grads_norm_first",
 ]
 
 
