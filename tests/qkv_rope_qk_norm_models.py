@@ -296,3 +296,29 @@ def compare_grads(model: nn.Module, reference: nn.Module, extra: list[tuple[str,
         scale = q.grad.float().abs().max().clamp_min(1e-30)
         errors[name] = ((p.grad.float() - q.grad.float()).abs().max() / scale).item()
     return errors
+
+
+def train_beside_eager(compiled, model: nn.Module, reference: nn.Module, steps: int, backward) -> list[float]:
+    """``steps`` AdamW steps of ``compiled`` (a compile of ``model``) and of its eager copy
+    ``reference`` on the same random batches (ids [2, 16] below 128): the first step's gradients
+    equal eager's within 1e-5, the losses track eager's. ``backward(loss)`` runs the compiled
+    model's backward (and may assert on what it ran). Returns the compiled model's losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    losses, reference_losses = [], []
+    for step in range(steps):
+        ids = torch.randint(0, 128, (2, 16))
+        loss = compiled(input_ids=ids, labels=ids).loss
+        backward(loss)
+        reference_loss = reference(input_ids=ids, labels=ids).loss
+        reference_loss.backward()
+        if step == 0:
+            errors = compare_grads(model, reference)
+            assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+        losses.append(loss.item())
+        reference_losses.append(reference_loss.item())
+        for opt in (optimizer, reference_optimizer):
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(losses, reference_losses, rtol=1e-4, atol=1e-5)
+    return losses
