@@ -71,7 +71,9 @@ def test_qwen3_trains_fused_with_eager_gradients():
 
 def test_qwen3_moe_layers_fuse_between_graph_breaks():
     """Qwen3-MoE: transformers' expert dispatch breaks the graph, so each layer's attention is
-    compiled on its own (the second a cache hit of the first: one match); both run our backward."""
+    compiled on its own graph; both layers run our backward. (Whether the second layer's graph
+    is a cache hit of the first, one match, or compiled again, two, varies: 1 when this test ran
+    alone, 2 in CI's full run, both with transformers 5.24.)"""
     model = _model("qwen3_moe", torch.float32)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, options=fusion_pass.options(devices="cpu"))
@@ -80,7 +82,7 @@ def test_qwen3_moe_layers_fuse_between_graph_breaks():
     with BackwardOpCalls() as ops:
         loss.backward()
     assert ops.calls == 2
-    assert fusion_pass.match_counts() == {FAMILY: 1}
+    assert fusion_pass.match_counts().get(FAMILY) in (1, 2) and fusion_pass.near_misses() == {}
     reference(input_ids=ids, labels=ids).loss.backward()
     errors = compare_grads(model, reference)
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
