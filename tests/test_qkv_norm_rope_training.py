@@ -130,3 +130,34 @@ def test_gpu_qwen3_bf16_training_step_launches_our_backward_kernels():
         ours, eager = compare_grads(model, exact), compare_grads(reference, exact)
         worse = {n: (e, eager[n]) for n, e in ours.items() if e > max(2 * eager[n], 2 * 2.0 ** -8)}
         assert not worse, (batch, seq, sorted(worse.items(), key=lambda kv: -kv[1][0])[:3])
+
+
+def test_eager_op_in_qwen3_order_matches_autograd():
+    """``torch.ops.fusion_pass.qkv_rope_qk_norm(..., rope_first=False)`` called eagerly: its
+    outputs and gradients equal autograd's through the model code (fused QKV weight, fp32)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    hq, hkv, d, batch, seq, hidden = 4, 2, 16, 2, 5, 24
+    x = torch.randn(batch, seq, hidden, requires_grad=True)
+    weight = torch.randn((hq + 2 * hkv) * d, hidden, requires_grad=True)
+    q_norm, k_norm = Qwen3RMSNorm(d, eps=1e-6), Qwen3RMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.1 * torch.randn(d))
+        k_norm.weight.copy_(1 + 0.1 * torch.randn(d))
+    cos, sin = torch.randn(1, seq, d), torch.randn(1, seq, d)
+    qkv = torch.nn.functional.linear(x, weight)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = q_norm(q.view(batch, seq, hq, d)).transpose(1, 2)
+    k = k_norm(k.view(batch, seq, hkv, d)).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    v = v.view(batch, seq, hkv, d).transpose(1, 2)
+    grads = [torch.randn_like(t) for t in (q, k, v)]
+    leaves = [x, weight, q_norm.weight, k_norm.weight]
+    expected = torch.autograd.grad((q, k, v), leaves, grads)
+    out = torch.ops.fusion_pass.qkv_rope_qk_norm(x, [weight], [], q_norm.weight, k_norm.weight, cos, sin, hq, hkv,
+                                                 1e-6, 1e-6, rope_first=False)
+    for got, want in zip(out[:3], (q, k, v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(out[:3], leaves, grads), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
