@@ -40,8 +40,9 @@ fused (``kernels/qkv_rope_qk_norm_op.py``, ``QKVRopeQKNormFunction``)::
     q, k, v = QKVRopeQKNormFunction.apply(
         hidden_states, q_norm_weight, k_norm_weight, cos, sin, Hq, Hkv, q_eps, k_eps,
         rope_first, 1 or 3, *weights, *biases)
-    # forward: the same projection -> RoPE -> norm (or norm -> RoPE) in plain torch ops, plus the fp32 rstd it
-    #   saves; Inductor compiles it into its own fused kernels, as it does the model's code.
+    # forward: the same projection -> RoPE -> norm (or norm -> RoPE) in plain torch ops, plus
+    #   the fp32 rstd it saves; Inductor compiles it into its own fused kernels, as it does the
+    #   model's code.
     # backward (CUDA): the elementwise Triton pass as kernel nodes of the graph, writing grad_qkv
     #   in [B*S, qkv_size], then the GEMMs as aten.mm nodes: Inductor launches all of it from its
     #   generated code (cuBLAS or its own GEMM templates); every backward op of the region is gone.
@@ -59,8 +60,8 @@ structure (fused / separate) x bias (no / yes) x dtype family (fp32: no casts; b
 the norm's casts) x norm weights (trainable / frozen) x cos and sin (constants / requiring
 grad): every ``requires_grad`` combination changes the joint graph (32 registrations); and
 Qwen3's order with constant cos/sin (16 more). The ``unsqueeze(cos, 1)`` nodes are outside the
-pattern (the search functions take the unsqueezed tables): Inductor's CSE merges them across layers, so inside a pattern they
-would have users outside it. The fused split sizes and both epsilons are captured as scalars
+pattern (the search functions take the unsqueezed tables): Inductor's CSE merges them across
+layers, so inside a pattern they would have users outside it. The fused split sizes and both epsilons are captured as scalars
 (``scalar_workaround``); everything the replacements compute comes from the bound values.
 """
 
