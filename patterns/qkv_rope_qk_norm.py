@@ -61,8 +61,9 @@ the norm's casts) x norm weights (trainable / frozen) x cos and sin (constants /
 grad): every ``requires_grad`` combination changes the joint graph (32 registrations); and
 Qwen3's order with constant cos/sin (16 more). The ``unsqueeze(cos, 1)`` nodes are outside the
 pattern (the search functions take the unsqueezed tables): Inductor's CSE merges them across
-layers, so inside a pattern they would have users outside it. The fused split sizes and both epsilons are captured as scalars
-(``scalar_workaround``); everything the replacements compute comes from the bound values.
+layers, so inside a pattern they would have users outside it. The fused split sizes and both
+epsilons are captured as scalars (``scalar_workaround``); everything the replacements compute
+comes from the bound values.
 """
 
 from __future__ import annotations
