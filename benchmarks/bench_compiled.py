@@ -39,8 +39,7 @@ import triton.testing
 from torch import nn
 
 import fusion_pass
-from bench_forward import (bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_samples,  # suite F's timing
-                           paired_ratio)
+from bench_forward import bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_timing  # suite F's timing
 
 F_CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
            (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
@@ -153,14 +152,11 @@ def attempt(r: dict, key: str, fn) -> None:
 
 
 def time_interleaved(r: dict, kept: dict, rounds: int = 40, calls: int = 20) -> None:
-    """Default mode, the compiled variants taking turns (``interleaved_samples``): the median time
+    """Default mode, the compiled variants taking turns (``interleaved_timing``): the median time
     of each, and the paired ratio pass / stock with its quartiles over the rounds."""
     def run():
-        import statistics
-
-        samples = interleaved_samples(kept, rounds, calls)
-        r["interleaved_ratio"] = paired_ratio(samples, "fusion_pass", "stock")
-        return {k: statistics.median(v) for k, v in samples.items()}
+        medians, r["interleaved_ratio"] = interleaved_timing(kept, "fusion_pass", "stock", rounds, calls)
+        return medians
 
     attempt(r, "interleaved_us", run)
 

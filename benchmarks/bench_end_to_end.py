@@ -303,16 +303,13 @@ def bench_ms(fn, rep_ms: int) -> float:
 
 
 def interleaved(r: dict, steps: dict, rounds: int, calls: int) -> None:
-    """The compiled variants taking turns (``bench_forward.interleaved_samples``): per variant the
+    """The compiled variants taking turns (``bench_forward.interleaved_timing``): per variant the
     median ms per step in ``r["interleaved_ms"]``, and in ``r["interleaved_speedup"]`` the paired
     speed-up stock / pass, median and quartiles over the rounds."""
-    import statistics
+    from bench_forward import interleaved_timing
 
-    from bench_forward import interleaved_samples, paired_ratio
-
-    samples = interleaved_samples(steps, rounds, calls)
-    r["interleaved_ms"] = {k: statistics.median(v) / 1e3 for k, v in samples.items()}
-    r["interleaved_speedup"] = paired_ratio(samples, "stock_compile", "fusion_pass")
+    medians, r["interleaved_speedup"] = interleaved_timing(steps, "stock_compile", "fusion_pass", rounds, calls)
+    r["interleaved_ms"] = {k: v / 1e3 for k, v in medians.items()}
     log(f"    interleaved: {r['interleaved_ms']}, speed-up stock / pass {r['interleaved_speedup']}")
 
 

@@ -150,22 +150,14 @@ def host_us(fn, calls: int = 30, samples: int = 5) -> float:
     return min(times)
 
 
-def interleaved_wall_us(steps: dict, rounds: int = 15, calls: int = 20) -> dict:
-    """Per variant, the median over ``rounds`` of the wall time per call (µs) of ``calls``
-    back-to-back calls (one synchronization per round, no L2 flush), the variants taking turns
-    within every round: what a loop without CUDA graphs sees, host time included. Taking turns
-    spreads the lent host's slow spells over every variant; one ``do_bench`` per variant, one after
-    the other, moved by up to 1.7x in the same process (2026-12-01), and its L2 flush lets a
-    host-bound call run ahead. ``interleaved_samples`` keeps the rounds, for paired ratios."""
-    import statistics
-
-    return {k: statistics.median(v) for k, v in interleaved_samples(steps, rounds, calls).items()}
-
-
 def interleaved_samples(steps: dict, rounds: int = 15, calls: int = 20) -> dict:
-    """Per variant, the list of per-round wall times per call (µs) that ``interleaved_wall_us``
-    takes the median of. The order of the variants is reversed every other round (A B, B A, ...),
-    so a drift within a round weighs on each variant alike; round i of two variants is a pair."""
+    """Per variant, the list over ``rounds`` of the wall time per call (µs) of ``calls``
+    back-to-back calls (one synchronization per round, no L2 flush), the variants taking turns
+    within every round: what a loop without CUDA graphs sees, host time included. The order is
+    reversed every other round (A B, B A, ...), so a drift within a round weighs on each variant
+    alike; round i of two variants is a pair. Taking turns spreads the lent host's slow spells
+    over every variant; one ``do_bench`` per variant, one after the other, moved by up to 1.7x
+    in the same process (2026-12-01), and its L2 flush lets a host-bound call run ahead."""
     times: dict = {k: [] for k in steps}
     for step in steps.values():
         step()
@@ -190,6 +182,15 @@ def paired_ratio(samples: dict, num: str, den: str) -> dict:
     ratios = sorted(a / b for a, b in zip(samples[num], samples[den]))
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     return dict(median=median, q1=q1, q3=q3, rounds=len(ratios))
+
+
+def interleaved_timing(steps: dict, num: str, den: str, rounds: int = 15, calls: int = 20) -> tuple[dict, dict]:
+    """``interleaved_samples`` summarized: (per variant the median µs per call, the
+    ``paired_ratio`` of ``num`` over ``den``)."""
+    import statistics
+
+    samples = interleaved_samples(steps, rounds, calls)
+    return {k: statistics.median(v) for k, v in samples.items()}, paired_ratio(samples, num, den)
 
 
 def bench_graph(fn) -> float:

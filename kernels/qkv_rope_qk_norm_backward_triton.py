@@ -254,6 +254,37 @@ def _norm_input_and_grad(q1, q2, g1, g2, c1, c2, s1, s2, ROUND: tl.constexpr, IN
 
 
 @triton.jit
+def _cos_sin_factors(g1, g2, dx1, dx2, q1, q2, xr1, xr2, w1, w2, ROUND: tl.constexpr, INTERP: tl.constexpr,
+                     NORM_FIRST: tl.constexpr):
+    """The halves of (u, p) whose products give the cos/sin grads, R(u * p) and
+    R(u * rotate_half(p)): u the gradient of RoPE's output, p its input. (dx, q) when RoPE comes
+    first; NORM_FIRST (g, the norm's output n = R(w * R(x*r))), from xr = x*r unrounded and w
+    broadcast to the tile."""
+    if NORM_FIRST:
+        u1 = g1
+        u2 = g2
+        p1 = _rnd(_rnd(xr1, ROUND, INTERP) * w1, ROUND, INTERP)
+        p2 = _rnd(_rnd(xr2, ROUND, INTERP) * w2, ROUND, INTERP)
+    else:
+        u1 = dx1
+        u2 = dx2
+        p1 = q1
+        p2 = q2
+    return u1, u2, p1, p2
+
+
+@triton.jit
+def _proj_grad(dx1, dx2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.constexpr, NORM_FIRST: tl.constexpr):
+    """d(proj) from the norm's input grad dx: RoPE's backward of it, or dx itself NORM_FIRST."""
+    if NORM_FIRST:
+        d1 = dx1
+        d2 = dx2
+    else:
+        d1, d2 = _rope_backward(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP)
+    return d1, d2
+
+
+@triton.jit
 def _qk_tile(
     g_ptr, g_sb, g_sh, g_ss,  # grad of the normed rows [B, H, S, D]
     x_ptr, x_sb, x_ss, x_sh,  # pre-RoPE rows [B, S, H, D]
@@ -323,18 +354,8 @@ def _qk_tile(
     coef = r * r * r * (dot / D)[:, :, None]
     dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
     dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
-    # The cos/sin terms are R(u * p) and R(u * rotate_half(p)) with u the gradient of RoPE's
-    # output and p its input: (dx, q) here, (g, the norm's output n = R(w * R(x*r))) NORM_FIRST.
-    if NORM_FIRST:
-        u1 = g0_1
-        u2 = g0_2
-        p1 = _rnd(_rnd(x1 * r, ROUND, INTERP) * w1[None, None, :], ROUND, INTERP)
-        p2 = _rnd(_rnd(x2 * r, ROUND, INTERP) * w2[None, None, :], ROUND, INTERP)
-    else:
-        u1 = dx1
-        u2 = dx2
-        p1 = q1
-        p2 = q2
+    u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, None, :],
+                                      w2[None, None, :], ROUND, INTERP, NORM_FIRST)
 
     # Sums over this tile's heads, all in ONE multi-operand reduction (v2's six separate
     # reductions over heads, which cross warps, cost ~5 % more).
@@ -367,11 +388,7 @@ def _qk_tile(
         tl.store(cs_row + D, -gs1, mask=m2)
         tl.store(cs_row + (D + HALF), gs2, mask=m2)
 
-    if NORM_FIRST:
-        dq1 = dx1
-        dq2 = dx2
-    else:
-        dq1, dq2 = _rope_backward(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP)
+    dq1, dq2 = _proj_grad(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
     o_off = (h * D)[:, None, None] + (b * o_sb + s * o_ss)[None, :, None] + d3
     tl.store(o_ptr + o_off, dq1, mask=m3)
     tl.store(o_ptr + o_off + HALF, dq2, mask=m3)
@@ -514,25 +531,13 @@ def _qk_head_rows(
         pw1 += _rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP)
         pw2 += _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP)
     if NEED_CS:
-        if NORM_FIRST:
-            u1 = g0_1
-            u2 = g0_2
-            p1 = _rnd(_rnd(x1 * r, ROUND, INTERP) * w1[None, :], ROUND, INTERP)
-            p2 = _rnd(_rnd(x2 * r, ROUND, INTERP) * w2[None, :], ROUND, INTERP)
-        else:
-            u1 = dx1
-            u2 = dx2
-            p1 = q1
-            p2 = q2
+        u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, :], w2[None, :],
+                                          ROUND, INTERP, NORM_FIRST)
         gc1 += _rnd(u1 * p1, ROUND, INTERP)
         gc2 += _rnd(u2 * p2, ROUND, INTERP)
         gs1 += _rnd(u1 * p2, ROUND, INTERP)
         gs2 += _rnd(u2 * p1, ROUND, INTERP)
-    if NORM_FIRST:
-        dq1 = dx1
-        dq2 = dx2
-    else:
-        dq1, dq2 = _rope_backward(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP)
+    dq1, dq2 = _proj_grad(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
     o_off = o_rows[:, None] + d[None, :]
     tl.store(o_ptr + o_off, dq1, mask=m2)
     tl.store(o_ptr + o_off + HALF, dq2, mask=m2)

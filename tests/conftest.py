@@ -25,8 +25,8 @@ def fresh_compile_state():
     """Each test compiles its graphs from scratch: no dynamo cache, no FX graph or AOTAutograd
     cache, empty counters. With a warm graph cache the passes do not run at all and counters
     read 0. Inductor's kernel cache (compiled C++ and Triton kernels, keyed by their source) stays
-    on: a kernel's source decides its binary, and rebuilding every kernel of every test with the
-    C++ compiler was most of the CPU suite's time."""
+    on: a kernel's source decides its binary, and tests that build the same kernels reuse them
+    (two whole-model tests: 167 s with every kernel rebuilt, 122 s with a cold cache)."""
     torch._dynamo.reset()
     fusion_pass.reset_report()
     torch.manual_seed(0)
