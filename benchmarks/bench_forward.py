@@ -28,6 +28,7 @@ Without CUDA it runs a tiny correctness check under the Triton interpreter and e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import json
@@ -59,13 +60,13 @@ ROPE_THETA = 10_000_000.0  # Qwen3-Coder-480B-A35B rope_theta
 CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
          (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
 QUICK_CASES = [(1, 2048, 4), (128, 0, 8), (293, 131, 1), (4096, 2048, 1)]
-SWEEP_CASES = [(4096, 2048, 1), (2048, 0, 1), (512, 256, 2), (128, 0, 8), (1, 2048, 4)]
-# (tokens_per_program, heads_per_program, num_warps, qk_blocks_per_program, maxnreg); None = the
-# launch_config rule (maxnreg: no cap).
-SWEEP_CONFIGS = [(None, None, None, None, None), (None, None, None, 1, 64), (None, None, None, 1, 56),
-                 (None, None, None, 1, 72), (None, None, None, 2, None), (None, None, None, 4, None),
-                 (None, None, None, 13, None), (1, 8, 2, 13, None), (None, None, None, 4, 64), (8, 8, 8, 1, None),
-                 (2, 8, 4, 1, None), (2, 8, 4, 1, 64)]
+SWEEP_CASES = [(4096, 2048, 1), (541, 0, 1), (293, 131, 1), (128, 0, 2), (1, 2048, 4)]
+# Tile overrides of launch_config (TILE_OVERRIDES); {} = the rule. Each runs with cos/sin read from
+# tables and computed from positions, on q/k/v laid out as Hugging Face's transposed views.
+SWEEP_CONFIGS = [{}] + [
+    dict(heads_per_program=1, tokens_per_program=16, num_warps=4, blocks_per_program=n) for n in (2, 4, 8, 12)
+] + [dict(heads_per_program=8, tokens_per_program=t, num_warps=4, blocks_per_program=n)
+     for t, n in ((4, 1), (2, 1), (4, 3))]
 REP_MS = 60
 DEVICE = "cuda"  # a module global so that a CPU dry run can swap it
 K_FILL, V_FILL = 1.5, -2.5  # cache contents before the run; unwritten rows must keep them
@@ -193,15 +194,15 @@ def interleaved_timing(steps: dict, num: str, den: str, rounds: int = 15, calls:
     return {k: statistics.median(v) for k, v in samples.items()}, paired_ratio(samples, num, den)
 
 
-def bench_graph(fn) -> float:
+def bench_graph(fn, rep_ms: int = REP_MS) -> float:
     params = inspect.signature(triton.testing.do_bench_cudagraph).parameters
     if "return_mode" in params:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
+        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
     elif "quantiles" in params:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=REP_MS, quantiles=[0.5])
+        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=[0.5])
         ms = ms[0] if isinstance(ms, (list, tuple)) else ms
     else:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=REP_MS)
+        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms)
     return float(ms) * 1e3
 
 
@@ -369,45 +370,53 @@ def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: 
 
 
 def sweep(copy_tbps: float) -> list[dict]:
-    """Tile variants of the kernel compiled graphs launch (cos/sin from positions), CUDA-graph
-    replay, on SWEEP_CASES (for choosing the rule); the tensor-cos/sin kernel beside it."""
+    """Tile variants (``SWEEP_CONFIGS``) of the kernel compiled graphs launch (the graph entry, device
+    asserts on), with cos/sin read from tables and computed from positions, CUDA-graph replay, on
+    ``SWEEP_CASES``, with q/k/v laid out as Hugging Face's ``view(B, S, H, D).transpose(1, 2)``
+    gives them (for choosing the rule)."""
     module = QKNormRopeCache(HEAD_DIM, EPS, ROPE_THETA, DTYPE, DEVICE)
     qw, kw = module.q_norm_weight.detach(), module.k_norm_weight.detach()
     rows = []
     for seq, cached, batch in SWEEP_CASES:
         x = make_inputs(seq, cached, batch)
+        for name in ("query", "key", "value"):  # the transposed views of [B, S, H, D] projections
+            x[name] = x[name].transpose(1, 2).contiguous().transpose(1, 2)
         cos, sin = kernel.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
         q_out, k_out = torch.empty_like(x["query"]), torch.empty_like(x["key"])
         floor_us = case_bytes(seq, batch) / (copy_tbps * 1e12) * 1e6
-        for tokens, heads, warps, per_program, maxnreg in [("tables", None, None, None, None)] + SWEEP_CONFIGS:
-            tables = tokens == "tables"
-            tiles = {} if tables else dict(tokens_per_program=tokens, heads_per_program=heads, num_warps=warps,
-                                           qk_blocks_per_program=per_program)
-            rope = (dict(position_ids=x["position_ids"], inv_freq=module.inv_freq) if not tables else {})
-            call = kernel.cache_kernel_call(
-                x["query"], x["key"], x["value"], qw, kw, cos if tables else None, sin if tables else None,
-                x["key_cache"], x["value_cache"], x["cache_position"], EPS, EPS, q_out, k_out, **rope, **tiles)
-            # As the launchers launch (device asserts on), with ptxas's register cap where given.
-            options = dict(debug=True, sanitize_overflow=False, **({"maxnreg": maxnreg} if maxnreg else {}))
+        # The reference's q on a cache-free call (its cache writes go to a 1-row dummy, all skipped).
+        dummy = torch.empty(batch, KV_HEADS, 1, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+        q_ref, _ = qk_norm_rope_cache_reference(x["query"], x["key"], x["value"], qw, kw, cos, sin, dummy,
+                                                dummy.clone(), torch.full_like(x["cache_position"], -1), EPS, EPS)
+        q_normed = rms_norm_reference(x["query"], qw, EPS)
+        for tile in SWEEP_CONFIGS:
+            for cos_sin in ("tables", "positions"):
+                tables = cos_sin == "tables"
+                rope = {} if tables else dict(position_ids=x["position_ids"], inv_freq=module.inv_freq)
+                row = dict(S=seq, C=cached, B=batch, cos_sin=cos_sin, tile=tile, default=not tile)
+                try:
+                    call = kernel.cache_kernel_call(
+                        x["query"], x["key"], x["value"], qw, kw, cos if tables else None, sin if tables else None,
+                        x["key_cache"], x["value_cache"], x["cache_position"], EPS, EPS, q_out, k_out, **rope,
+                        tile=tile, in_graph=True)
+                    config = kernel.launch_config(batch, Q_HEADS, KV_HEADS, seq, HEAD_DIM, 2, **tile)
+                    row.update(dataclasses.asdict(config))
 
-            def launch(call=call, options=options):
-                call.kernel[tuple(call.grid)](**call.kwargs, num_warps=call.num_warps, **options)
+                    def launch(call=call):
+                        call.run(device_asserts=True)
 
-            config = kernel.launch_config(batch, Q_HEADS, KV_HEADS, seq, HEAD_DIM, 2, **tiles)
-            row = dict(S=seq, C=cached, B=batch, cos_sin="tables" if tables else "positions", maxnreg=maxnreg,
-                       tokens_per_program=config.tokens_per_program, heads_per_program=config.heads_per_program,
-                       num_warps=config.num_warps, qk_blocks_per_program=config.qk_blocks_per_program,
-                       default=not tables and not maxnreg and all(v is None for v in (tokens, heads, warps, per_program)))
-            try:
-                launch()
-                check_caches(x, k_out, cached, seq)
-                row["graph_us"] = bench_graph(launch)
-                row["over_floor"] = row["graph_us"] / floor_us
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            log(f"  sweep {row}")
-            rows.append(row)
-        del x, q_out, k_out, cos, sin
+                    q_out.zero_()
+                    launch()
+                    check_caches(x, k_out, cached, seq)
+                    row["max_ulp"] = kernel.rope_ulp_error(q_out, q_ref, q_normed, cos, sin)
+                    row["graph_us"] = bench_graph(launch, rep_ms=30)
+                    row["over_floor"] = row["graph_us"] / floor_us
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                log(f"  sweep {seq},{cached},{batch} {cos_sin} {tile}: {fmt(row.get('graph_us'))} us "
+                    f"({fmt(row.get('over_floor'))}x floor) ulp {row.get('max_ulp')} {row.get('error', '')}")
+                rows.append(row)
+        del x, q_out, k_out, cos, sin, q_ref, q_normed
         empty_cache()
     return rows
 
@@ -454,14 +463,13 @@ def markdown(result: dict) -> str:
     m = result["suite_means"]
     lines.append("| **mean** | | | " + " | ".join(fmt(m.get(k)) for k in TIME_KEYS) + " | | | |")
     if result.get("sweep"):
-        lines += ["", "Launcher sweep (CUDA-graph replay):", "",
-                  "| S | C | B | cos/sin | tokens | heads | warps | q/k blocks per program | maxnreg | µs | / floor "
-                  "| default rule |", "|" + "---|" * 12]
+        lines += ["", "Launcher sweep (CUDA-graph replay, the graph entry, q/k/v as Hugging Face's transposed views):",
+                  "", "| S | C | B | cos/sin | tokens | heads | warps | blocks per program "
+                  "| µs | / floor | max ulp | default rule |", "|" + "---|" * 12]
         for row in result["sweep"]:
-            lines.append(f"| {row['S']} | {row['C']} | {row['B']} | {row['cos_sin']} | {row['tokens_per_program']} | "
-                         f"{row['heads_per_program']} | {row['num_warps']} | {row['qk_blocks_per_program']} | "
-                         f"{row.get('maxnreg') or ''} | "
-                         f"{fmt(row.get('graph_us'))} | {fmt(row.get('over_floor'), 2)} | "
+            lines.append(f"| {row['S']} | {row['C']} | {row['B']} | {row['cos_sin']} | {row.get('tokens_per_program')} "
+                         f"| {row.get('heads_per_program')} | {row.get('num_warps')} | {row.get('blocks_per_program')} "
+                         f"| {fmt(row.get('graph_us'))} | {fmt(row.get('over_floor'), 2)} | {fmt(row.get('max_ulp'), 1)} | "
                          f"{'yes' if row.get('default') else ''} |")
     errors = [(c["S"], c["C"], c["B"], c["errors"]) for c in result["cases"] if c.get("errors")]
     if errors:

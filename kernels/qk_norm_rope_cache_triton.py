@@ -20,37 +20,39 @@ The kernel is purely memory bound: per token it moves (Hq + Hkv + Hkv) rows in a
 D = 128, bf16); the FLOPs (about 10 per element) are free. So the design goal is to keep
 enough bytes in flight with fully used 16-byte accesses, and nothing else.
 
-* Grid ``(token_blocks, head_blocks, B)``. ``head_blocks`` lists the q head blocks, then the
-  k head blocks, then the v head blocks, so one launch covers all three tensors and every
-  program does one kind of work: q programs normalize + rotate + store q_out; k programs
-  normalize + rotate + store k_out and the k cache row; v programs copy v into the v cache.
-* A program owns a tile of ``HEADS_PER_PROGRAM x TOKENS_PER_PROGRAM`` rows of one tensor,
-  held as two ``[heads, tokens, D/2]`` fp32 tiles (the two RoPE halves: loading the halves
-  separately makes ``rotate_half`` free, and each half-row is a contiguous 128-byte segment
-  for D = 128 bf16, i.e. 8 lanes x 16 bytes). cos/sin are loaded in the same
-  ``[heads, tokens, D/2]`` layout with a zero head stride (each head re-reads its token's row
-  from L1), so no shared-memory layout conversion, and no barrier, stands between the loads and
-  the math (v5, see ``_load_cos_sin``); the RMS statistic is a reduction
-  over the last axis of the two halves.
-* Tile size rule (``launch_config``): about ``TILE_ELEMENTS = 4096`` elements per program
-  with 4 warps, i.e. 32 elements = four 16-byte vectors in flight per thread and ~16 KB of
-  traffic per program (D = 128: 32 rows). Heads per program = ``min(next_pow2(Hkv), rows)``
-  (8 for Qwen3: every head block is full for q, k and v alike); tokens per program = the
-  rest of the rows, capped at ``next_pow2(S)`` so decode (S = 1) does not mask away 3/4 of
-  the tile. For the large F cases this gives 14 head blocks x S/4 token blocks x B, e.g.
-  14336 programs for S = 4096: many waves of small programs, which is what a streaming
-  kernel wants (several resident programs per SM overlap each other's memory latency; there
-  is no loop to software-pipeline). For S = 1, B = 1 it gives 14 programs: the case is
-  launch-latency bound whatever the tiling. ``num_warps`` is 4, or fewer when the tile has
-  fewer than one 16-byte vector per lane and half row (decode: 8 x 1 x 64 bf16 -> 2 warps).
-  Compiled offline for sm_90 (Triton 3.7 + ptxas, ``enable_fp_fusion=False``) the bf16
-  D = 128 kernel (v5) takes 63 registers, no spills, no barriers (8 resident programs per SM,
-  ~64 KB of loads in flight per SM), and every q/k/v/cos/sin access is a 16-byte
-  ``ld/st.global.v4``.
+* Grid ``(token_blocks, groups, B)``. ``groups`` lists the q groups, then the k groups, then
+  the v groups, so one launch covers all three tensors and every program does one kind of
+  work: q programs normalize + rotate + store q_out; k programs normalize + rotate + store
+  k_out and the k cache rows; v programs copy v into the v cache. A group is
+  ``BLOCKS_PER_PROGRAM`` head blocks of ``HEADS_PER_PROGRAM`` heads (tails masked), done in an
+  unrolled loop (its loads can be issued ahead of the math) over the program's
+  ``TOKENS_PER_PROGRAM`` tokens.
+* A block is held as two ``[heads, tokens, D/2]`` fp32 tiles (the two RoPE halves: loading the
+  halves separately makes ``rotate_half`` free, and each half-row is a contiguous 128-byte
+  segment for D = 128 bf16, i.e. 8 lanes x 16 bytes); the RMS statistic is a reduction over
+  the last axis of the two halves. cos/sin are read or computed once per program, in its first
+  block after that block's loads, and reused by its other blocks (the same tokens). Read
+  tables are loaded in the ``[heads, tokens, D/2]`` layout with a zero head stride (each head
+  re-reads its token's row from L1), so no shared-memory layout conversion stands between
+  the loads and the math (see ``_load_cos_sin``).
+* Tile rule (``launch_config``; H200 sweeps in ``benchmarks/NOTES-forward.md``, session 12):
+  from ``STREAM_FROM_TOKENS`` = 1024 tokens (B x S) on, or for a symbolic length, one head per
+  block and as many tokens as give each of 4 warps' lanes one 16-byte vector per half row
+  (16 for D = 128 bf16), 4 blocks per program: cos/sin (read or computed) serve 4 blocks and
+  land in the blocks' own layout, and programs stay small enough to fill the machine in many
+  waves (S = 4096: 256 x 28 programs). Below 1024 tokens that tile leaves SMs idle, and the
+  small tile wins: about ``TILE_ELEMENTS = 4096`` elements, ``min(next_pow2(Hkv), rows)``
+  heads (8 for Qwen3) x the rest in tokens, capped at ``next_pow2(S)`` so decode (S = 1) does
+  not mask away 3/4 of the tile, one block per program; ``num_warps`` is 4, or fewer when the
+  tile has fewer than one 16-byte vector per lane and half row (decode: 8 x 1 x 64 bf16 -> 2
+  warps). Compiled offline for sm_90 (Triton 3.7 + ptxas) the bf16 D = 128 graph kernel takes
+  56 registers in the streaming tile (59 computing cos/sin, which converts their layout once
+  per program) and 56-64 in the small tile, no spills, and every q/k/v/cos/sin access is a
+  16-byte ``ld/st.global.v4``.
 * Recompiles: ``seq_len`` is not specialized (``do_not_specialize``) and the only
-  shape-dependent constexprs are the tile sizes, which take at most
-  ``log2(rows / heads) + 1`` values (tokens per program 1, 2 or 4 for Qwen3 bf16): a new S
-  never compiles a new kernel once S >= 4.
+  shape-dependent constexprs are the tile sizes: at most ``log2(rows / heads) + 2`` tiles (1, 2
+  or 4 tokens for Qwen3 bf16 below 1024 tokens, the streaming tile above): a new S compiles no
+  new kernel once S >= 4 on either side of the threshold.
 * Offsets: batch, head, token and cache-row indices are widened to int64 before they meet a
   stride, so a cache of [B, 8, 262144, 128] (2^31 elements at B = 8) is addressed correctly.
   A negative position is wrapped (``p + L``, Python indexing, as ``cache[:, :, pos] = k``
@@ -92,8 +94,10 @@ by opcode; two address additions are scheduled earlier).
 The same ``@triton.jit`` kernel also computes cos/sin itself from ``position_ids`` [B, S]
 and ``inv_freq`` [D/2] (constexpr ``ROPE_FROM_POSITIONS``; Hugging Face's
 ``freqs = pos.float() * inv_freq; cos = (cat(freqs, freqs).cos() * scaling).to(dtype)``),
-once per program for its tokens, with libdevice's accurate ``cosf``/``sinf`` (the functions
-torch's own CUDA kernels use; positions reach 262144 radians, where ``cos.approx`` is wrong).
+once per program for its tokens (``sin_cos.sin_cos``: exact argument reduction and fp32
+polynomials, within 2 fp32 ulps; libdevice's ``cosf``/``sinf``, which torch's CUDA kernels run, carry a
+Payne-Hanek path that costs registers at every call site, and ``cos.approx`` is wrong at the 262144
+radians positions reach).
 
 Rounding and exactness
 ----------------------
@@ -111,9 +115,9 @@ the same; fp32 agrees to a few fp32 ulps.
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) bf16 values are raw uint16
 and the fp32 -> bf16 cast truncates. The kernel therefore takes a constexpr ``INTERPRETED``
 flag: when set, ``round_to`` emulates round-to-nearest-even for bf16 with integer bit
-arithmetic (the GPU build never contains that code) and the transcendental functions use
-``tl.cos``/``tl.sin``/``tl.rsqrt`` (numpy) because libdevice has no interpreter
-implementation. Measured on CPU against the reference (RoPE-term-scale ulps, 60 random cases
+arithmetic (the GPU build never contains that code) and the statistic's reciprocal square root
+is ``tl.rsqrt`` (numpy) because libdevice has no interpreter implementation (cos/sin run the same
+``sin_cos`` code in both). Measured on CPU against the reference (RoPE-term-scale ulps, 60 random cases
 plus the test suite): bf16 0, fp16 <= 1 (2 allowed), fp32 <= 5 fp32 ulps; the fp16/fp32
 differences come from numpy's summation order and 1/sqrt, the same cause as on GPU.
 """
@@ -132,18 +136,23 @@ from triton.language.extra import libdevice
 from .qk_norm_rope_cache_reference import NORM_STYLES
 from .rounding import round_sum
 from .rounding import round_to
+from .sin_cos import sin_cos
 from .triton_device import interpreting
 from .triton_call import TritonCall, named_args
 
-#: Elements (one tensor, both halves) per program. 4096 with 4 warps = 32 elements per thread.
+#: Small launches: elements (one tensor, both halves) per program, one head block per program.
+#: 4096 with 4 warps = 32 elements per thread.
 TILE_ELEMENTS = 4096
 #: Warps per program.
 NUM_WARPS = 4
-#: Launches that compute cos/sin from positions with more tokens (B x S) than this give each program
-#: one token and every q/k head block of it, so the angles are computed once per token; smaller
-#: ones two tokens and one head block per program. Chosen on the H200's sweep of 2026-12-01
-#: (``benchmarks/NOTES-forward.md``, session 10).
-POSITIONS_ONE_TOKEN_ABOVE = 1024
+#: Launches of at least this many tokens (B x S, or a symbolic length) take the streaming tile: one
+#: head per block, each of ``NUM_WARPS`` warps' lanes one 16-byte vector per half row (16 tokens for
+#: D = 128 bf16), ``STREAM_BLOCKS`` blocks of one tensor per program sharing their cos/sin. Below it
+#: that tile leaves SMs idle (293 tokens of Qwen3-Coder: ~4 programs per SM), and one block of
+#: 8 heads x 4 tokens per program wins. Chosen on the H200's sweeps of 2026-12-02
+#: (``benchmarks/NOTES-forward.md``, session 12).
+STREAM_FROM_TOKENS = 1024
+STREAM_BLOCKS = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,13 +242,9 @@ def _load_cos_sin(
     if ROPE_FROM_POSITIONS:
         positions = tl.load(position_ids_ptr + batch * stride_pos_b + offs_s64 * stride_pos_s, mask=token_mask, other=0)
         inv_freq = tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        freqs = positions.to(tl.float32)[:, None] * inv_freq[None, :]
-        if INTERPRETED:
-            cos = tl.cos(freqs)
-            sin = tl.sin(freqs)
-        else:
-            cos = libdevice.cos(freqs)
-            sin = libdevice.sin(freqs)
+        # int32 first: positions are far below 2**31, and int64 -> fp32 compiles through fp64.
+        freqs = positions.to(tl.int32).to(tl.float32)[:, None] * inv_freq[None, :]
+        sin, cos = sin_cos(freqs)
         cos = round_to(cos * attention_scaling, dtype, INTERPRETED)[None, :, :]
         sin = round_to(sin * attention_scaling, dtype, INTERPRETED)[None, :, :]
         # emb = cat(freqs, freqs): both halves share one table.
@@ -254,34 +259,6 @@ def _load_cos_sin(
         sin1 = tl.load(sin_row, mask=mask, other=0.0).to(tl.float32)
         sin2 = tl.load(sin_row + HALF, mask=mask, other=0.0).to(tl.float32)
         return cos1, cos2, sin1, sin2
-
-
-@triton.jit
-def _block_cos_sin(
-    first, cos_t, sin_t, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask,
-    offs_d, d_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-    attention_scaling,
-    dtype: tl.constexpr, HALF: tl.constexpr, ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    """cos/sin tiles of one head block (``_load_cos_sin``), and the computed tables carried to the
-    program's next block: ``(cos1, cos2, sin1, sin2, cos_t, sin_t)``. Computed from positions in
-    the ``first`` block only, after that block's loads are issued (the transcendentals overlap
-    their latency), then reused; tensor tables are loaded for every block (L1 hits)."""
-    if ROPE_FROM_POSITIONS:
-        if first:
-            cos_t, _, sin_t, _ = _load_cos_sin(
-                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
-                stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, attention_scaling,
-                dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
-            )
-        return cos_t, cos_t, sin_t, sin_t, cos_t, sin_t
-    else:
-        cos1, cos2, sin1, sin2 = _load_cos_sin(
-            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
-            stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, attention_scaling,
-            dtype, HALF, ROPE_FROM_POSITIONS, INTERPRETED,
-        )
-        return cos1, cos2, sin1, sin2, cos_t, sin_t
 
 
 @triton.jit
@@ -428,6 +405,71 @@ def _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position,
     return tl.where(position_ok, positions, 0), position_ok
 
 
+@triton.jit
+def _norm_rope_blocks(
+    first_block, x_ptr, weight_ptr, out_ptr, cache_ptr, heads_total, batch, offs_s64, token_mask, positions,
+    position_ok, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, offs_d, d_mask, d_mask3, offs_1, offs_2, rotated,
+    rot_mask, stride_x_b, stride_x_h, stride_x_s, stride_o_b, stride_o_h, stride_o_s, stride_c_b, stride_c_h,
+    stride_c_l, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, eps,
+    attention_scaling,
+    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
+    ROPE_FIRST: tl.constexpr, PARTIAL: tl.constexpr, SECOND_OFFSETS: tl.constexpr, INTERLEAVED: tl.constexpr,
+    COS_SHIFT: tl.constexpr, WRITE_CACHE: tl.constexpr,
+):
+    """Norm + RoPE of ``BLOCKS_PER_PROGRAM`` head blocks of q (or k: ``WRITE_CACHE``, which also
+    writes the cache rows), from head block ``first_block`` on, of this program's tokens. The
+    loop is unrolled, so its loads can be issued ahead of the math; cos/sin are read or computed
+    once, in the first block after its loads (their latency, or the angles' arithmetic, overlaps
+    those loads), and reused by the later blocks, which hold the same tokens."""
+    heads = tl.arange(0, HEADS_PER_PROGRAM)
+    for i in tl.static_range(BLOCKS_PER_PROGRAM):
+        offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
+        head_ok = offs_h < heads_total
+        ht_mask = head_ok[:, None] & token_mask[None, :]
+        x1, x2 = _load_pair_tiles(x_ptr, batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, offs_1,
+                                  offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
+                                  TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+        if i == 0:
+            cos1, cos2, sin1, sin2 = _load_cos_sin(
+                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d,
+                rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
+                attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
+            )
+        out1, out2 = _norm_rope(
+            x1, x2, weight_ptr, offs_1, offs_2, d_mask, rotated, eps, cos1, cos2, sin1, sin2, dtype,
+            HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
+        )
+        out1 = out1.to(dtype)
+        out2 = out2.to(dtype)
+        _store_pair_tiles(out_ptr, batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, offs_1, offs_2,
+                          ht_mask, d_mask3, out1, out2, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM,
+                          SECOND_OFFSETS, INTERLEAVED)
+        if WRITE_CACHE:
+            _store_pair_tiles(cache_ptr, batch, offs_h, positions, stride_c_b, stride_c_h, stride_c_l, offs_1,
+                              offs_2, head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF,
+                              HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+
+
+@triton.jit
+def _copy_blocks(first_block, v_ptr, v_cache_ptr, kv_heads, batch, offs_s64, positions, position_ok, offs_d,
+                 d_mask3, stride_v_b, stride_v_h, stride_v_s, stride_vc_b, stride_vc_h, stride_vc_l,
+                 HALF: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
+    """v rows of ``BLOCKS_PER_PROGRAM`` head blocks from ``first_block`` on, copied into the v cache
+    (raw values, no math); rows of skipped positions are not read."""
+    heads = tl.arange(0, HEADS_PER_PROGRAM)
+    for i in tl.static_range(BLOCKS_PER_PROGRAM):
+        offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
+        cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
+        src = v_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_v_b, stride_v_h, stride_v_s, offs_d)
+        v1 = tl.load(src, mask=cache_mask, other=0.0, eviction_policy="evict_first")
+        v2 = tl.load(src + HALF, mask=cache_mask, other=0.0, eviction_policy="evict_first")
+        dst = v_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_vc_b, stride_vc_h, stride_vc_l, offs_d)
+        tl.store(dst, v1, mask=cache_mask)
+        tl.store(dst + HALF, v2, mask=cache_mask)
+
+
 @triton.jit(do_not_specialize=["seq_len"])
 def _qk_norm_rope_cache_kernel(
     # tensors
@@ -453,7 +495,7 @@ def _qk_norm_rope_cache_kernel(
     HALF_BLOCK: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
-    QK_BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
     ROPE_FROM_POSITIONS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr,
@@ -479,10 +521,10 @@ def _qk_norm_rope_cache_kernel(
     token_block = tl.program_id(0)
     group = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
-    q_head_blocks = (q_heads + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
-    kv_head_blocks = (kv_heads + HEADS_PER_PROGRAM - 1) // HEADS_PER_PROGRAM
-    qk_head_blocks = q_head_blocks + kv_head_blocks
-    qk_groups = (qk_head_blocks + QK_BLOCKS_PER_PROGRAM - 1) // QK_BLOCKS_PER_PROGRAM
+    # Programs (axis 1) do one kind of work each: q groups, then k groups, then v groups, each
+    # group BLOCKS_PER_PROGRAM head blocks of HEADS_PER_PROGRAM heads (tails masked).
+    q_groups = (q_heads + HEADS_PER_PROGRAM * BLOCKS_PER_PROGRAM - 1) // (HEADS_PER_PROGRAM * BLOCKS_PER_PROGRAM)
+    kv_groups = (kv_heads + HEADS_PER_PROGRAM * BLOCKS_PER_PROGRAM - 1) // (HEADS_PER_PROGRAM * BLOCKS_PER_PROGRAM)
 
     offs_s = token_block * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
     token_mask = offs_s < seq_len
@@ -492,7 +534,6 @@ def _qk_norm_rope_cache_kernel(
         d_mask = offs_d < HALF_BLOCK  # all true; folded by the compiler
     else:
         d_mask = offs_d < HALF
-    d3 = offs_d[None, None, :]
     d_mask3 = d_mask[None, None, :]
     if PARTIAL:
         offs_1, offs_2, rotated = _feature_offsets(offs_d, HEAD_DIM, ROTARY_DIM)
@@ -510,70 +551,41 @@ def _qk_norm_rope_cache_kernel(
         rotated = d_mask  # unused
         rot_mask = d_mask
 
-    # The cache rows of this program's tokens (k and v programs write them), in one place: every
-    # tl.device_assert site ends with a barrier.
-    positions, position_ok = _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position, cache_len)
-    if group < qk_groups:
-        # ---- q and k: QK_BLOCKS_PER_PROGRAM head blocks of this program's tokens, q blocks first
-        # cos/sin computed from positions: in the first block, shared by the later ones (``_block_cos_sin``).
-        cos_t = tl.zeros([1, TOKENS_PER_PROGRAM, HALF_BLOCK], dtype=tl.float32)
-        sin_t = tl.zeros([1, TOKENS_PER_PROGRAM, HALF_BLOCK], dtype=tl.float32)
-        for i in range(QK_BLOCKS_PER_PROGRAM):
-            head_block = group * QK_BLOCKS_PER_PROGRAM + i
-            if head_block < q_head_blocks:
-                # ---- q: norm + rope -> q_out
-                offs_h = (head_block * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
-                ht_mask = (offs_h < q_heads)[:, None] & token_mask[None, :]
-                x1, x2 = _load_pair_tiles(q_ptr, batch, offs_h, offs_s64, stride_q_b, stride_q_h, stride_q_s, offs_1,
-                                          offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
-                                          TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-                cos1, cos2, sin1, sin2, cos_t, sin_t = _block_cos_sin(
-                    i == 0, cos_t, sin_t, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64,
-                    token_mask, offs_d, rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b,
-                    stride_pos_s, attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
-                )
-                out1, out2 = _norm_rope(
-                    x1, x2, q_weight_ptr, offs_1, offs_2, d_mask, rotated, q_eps, cos1, cos2, sin1, sin2, dtype,
-                    HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
-                )
-                _store_pair_tiles(q_out_ptr, batch, offs_h, offs_s64, stride_qo_b, stride_qo_h, stride_qo_s, offs_1,
-                                  offs_2, ht_mask, d_mask3, out1.to(dtype), out2.to(dtype), HALF, HALF_BLOCK,
-                                  HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-            elif head_block < qk_head_blocks:
-                # ---- k: norm + rope -> k_out and k_cache
-                offs_h = ((head_block - q_head_blocks) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
-                head_ok = offs_h < kv_heads
-                ht_mask = head_ok[:, None] & token_mask[None, :]
-                x1, x2 = _load_pair_tiles(k_ptr, batch, offs_h, offs_s64, stride_k_b, stride_k_h, stride_k_s, offs_1,
-                                          offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
-                                          TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-                cos1, cos2, sin1, sin2, cos_t, sin_t = _block_cos_sin(
-                    i == 0, cos_t, sin_t, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64,
-                    token_mask, offs_d, rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b,
-                    stride_pos_s, attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
-                )
-                out1, out2 = _norm_rope(
-                    x1, x2, k_weight_ptr, offs_1, offs_2, d_mask, rotated, k_eps, cos1, cos2, sin1, sin2, dtype,
-                    HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
-                )
-                out1 = out1.to(dtype)
-                out2 = out2.to(dtype)
-                _store_pair_tiles(k_out_ptr, batch, offs_h, offs_s64, stride_ko_b, stride_ko_h, stride_ko_s, offs_1,
-                                  offs_2, ht_mask, d_mask3, out1, out2, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
-                                  TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-                _store_pair_tiles(k_cache_ptr, batch, offs_h, positions, stride_kc_b, stride_kc_h, stride_kc_l, offs_1,
-                                  offs_2, head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF,
-                                  HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+    if group < q_groups:
+        # ---- q: norm + rope -> q_out (no cache row)
+        _norm_rope_blocks(
+            group * BLOCKS_PER_PROGRAM, q_ptr, q_weight_ptr, q_out_ptr, k_cache_ptr, q_heads, batch, offs_s64,
+            token_mask, offs_s64, token_mask, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, offs_d, d_mask,
+            d_mask3, offs_1, offs_2, rotated, rot_mask, stride_q_b, stride_q_h, stride_q_s, stride_qo_b,
+            stride_qo_h, stride_qo_s, stride_kc_b, stride_kc_h, stride_kc_l, stride_cos_b, stride_cos_s,
+            stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, q_eps, attention_scaling,
+            dtype, HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM,
+            ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS, INTERLEAVED,
+            COS_SHIFT, False,
+        )
     else:
-        # ---- v: copy into v_cache (raw values, no math); v rows of skipped positions are not read
-        offs_h = ((group - qk_groups) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)).to(tl.int64)
-        cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
-        src = v_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_v_b, stride_v_h, stride_v_s, offs_d)
-        v1 = tl.load(src, mask=cache_mask, other=0.0, eviction_policy="evict_first")
-        v2 = tl.load(src + HALF, mask=cache_mask, other=0.0, eviction_policy="evict_first")
-        dst = v_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_vc_b, stride_vc_h, stride_vc_l, offs_d)
-        tl.store(dst, v1, mask=cache_mask)
-        tl.store(dst + HALF, v2, mask=cache_mask)
+        # The cache rows of this program's tokens (k and v programs write them), in one place: every
+        # tl.device_assert site ends with a barrier.
+        positions, position_ok = _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position,
+                                             cache_len)
+        if group < q_groups + kv_groups:
+            # ---- k: norm + rope -> k_out and the k cache rows
+            _norm_rope_blocks(
+                (group - q_groups) * BLOCKS_PER_PROGRAM, k_ptr, k_weight_ptr, k_out_ptr, k_cache_ptr, kv_heads,
+                batch, offs_s64, token_mask, positions, position_ok, cos_ptr, sin_ptr, position_ids_ptr,
+                inv_freq_ptr, offs_d, d_mask, d_mask3, offs_1, offs_2, rotated, rot_mask, stride_k_b, stride_k_h,
+                stride_k_s, stride_ko_b, stride_ko_h, stride_ko_s, stride_kc_b, stride_kc_h, stride_kc_l,
+                stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, k_eps,
+                attention_scaling,
+                dtype, HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM,
+                ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS, INTERLEAVED,
+                COS_SHIFT, True,
+            )
+        else:
+            # ---- v: copied into the v cache rows
+            _copy_blocks((group - q_groups - kv_groups) * BLOCKS_PER_PROGRAM, v_ptr, v_cache_ptr, kv_heads, batch,
+                         offs_s64, positions, position_ok, offs_d, d_mask3, stride_v_b, stride_v_h, stride_v_s,
+                         stride_vc_b, stride_vc_h, stride_vc_l, HALF, HEADS_PER_PROGRAM, BLOCKS_PER_PROGRAM)
 
 
 @triton.jit(do_not_specialize=["seq_len"])
@@ -601,7 +613,7 @@ def _qk_norm_rope_cache_graph_kernel(
     HALF_BLOCK: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
-    QK_BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
     ROPE_FROM_POSITIONS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr,
@@ -623,7 +635,7 @@ def _qk_norm_rope_cache_graph_kernel(
         STRIDE_VC_B, STRIDE_VC_H, STRIDE_VC_L, stride_cos_b, STRIDE_COS_S, stride_sin_b, STRIDE_SIN_S,
         stride_pos_b, STRIDE_POS_S, STRIDE_CACHE_POSITION,
         Q_EPS, K_EPS, ATTENTION_SCALING,
-        HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, QK_BLOCKS_PER_PROGRAM, ROPE_FROM_POSITIONS,
+        HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM, ROPE_FROM_POSITIONS,
         INTERPRETED,
         NORM_STYLE, ROPE_FIRST, ROTARY_DIM, INTERLEAVED,
     )
@@ -639,11 +651,20 @@ class LaunchConfig:
     """Tile and grid of one launch (see the module docstring for the rule)."""
 
     half_block: int  # next_pow2(D / 2): the feature tile of each RoPE half
-    heads_per_program: int
+    heads_per_program: int  # heads of one block
     tokens_per_program: int
-    qk_blocks_per_program: int  # q/k head blocks one program does in turn (sharing its cos/sin)
+    blocks_per_program: int  # head blocks of one tensor one program does in turn, sharing its cos/sin
     num_warps: int
-    grid: tuple  # (token blocks, q/k programs + v head blocks, batch): ints, or SymInts for dynamic shapes
+    grid: tuple  # ints, or SymInts for dynamic shapes
+
+    def constexprs(self) -> dict:
+        """The kernel's tile constexprs."""
+        return dict(HALF_BLOCK=self.half_block, HEADS_PER_PROGRAM=self.heads_per_program,
+                    TOKENS_PER_PROGRAM=self.tokens_per_program, BLOCKS_PER_PROGRAM=self.blocks_per_program)
+
+
+#: What ``launch_config`` takes as tuning overrides (tests and sweeps).
+TILE_OVERRIDES = ("tokens_per_program", "heads_per_program", "num_warps", "blocks_per_program")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -675,39 +696,40 @@ def launch_config(
     seq_len,
     head_dim: int,
     element_size: int = 2,
-    tokens_per_program: int | None = None,
-    heads_per_program: int | None = None,
-    num_warps: int | None = None,
-    qk_blocks_per_program: int | None = None,
-    rope_from_positions: bool = False,
+    **overrides,
 ) -> LaunchConfig:
     """Pick the tile and grid for q [B, Hq, S, D] and k/v [B, Hkv, S, D] (element_size in bytes).
 
-    Rule: ``rows = TILE_ELEMENTS // D`` rows (head x token) per program,
-    ``heads = min(next_pow2(Hkv), rows)``, ``tokens = min(rows // heads, next_pow2(S))``,
-    ``num_warps = min(NUM_WARPS, lanes needed for one 16-byte vector each per half row)``.
-    ``batch`` and ``seq_len`` may be SymInts (dynamic shapes): a symbolic S takes
-    ``tokens = rows // heads`` (no guard on S, so no recompile per length) and the grid is an
-    expression of B and S. The overrides (powers of two) exist for tuning sweeps and tests.
+    Rule, with or without cos/sin computed in the kernel:
 
-    ``rope_from_positions`` (the kernel computes cos/sin): above ``POSITIONS_ONE_TOKEN_ABOVE``
-    tokens (B x S, concrete), one token and all ``cdiv(Hq, heads) + cdiv(Hkv, heads)`` q/k head
-    blocks per program, each program computing its token's angles once; otherwise (and for a
-    symbolic B or S) ``tokens = min(2, next_pow2(S))``, one head block per program.
+    * ``B x S >= STREAM_FROM_TOKENS``, or a symbolic B or S (no guard on the length, so no
+      recompile per length): one head per block, ``tokens = NUM_WARPS * 32 * (16 // element_size)
+      // next_pow2(D / 2)`` (one 16-byte vector per lane per half row), ``STREAM_BLOCKS`` blocks per
+      program, ``NUM_WARPS`` warps;
+    * otherwise ``rows = TILE_ELEMENTS // D`` rows (head x token), ``heads = min(next_pow2(Hkv), rows)``,
+      ``tokens = min(rows // heads, next_pow2(S))``, one block per program,
+      ``num_warps = min(NUM_WARPS, lanes needed for one 16-byte vector each per half row)``.
+
+    The grid is (token blocks, q groups + 2 x k/v groups, B), as expressions of B and S when they
+    are symbolic. ``overrides`` (names in ``TILE_OVERRIDES``; tile sizes powers of two) exist for
+    tuning sweeps and tests.
     """
-    if rope_from_positions and tokens_per_program is None and qk_blocks_per_program is None:
-        concrete = isinstance(batch, int) and isinstance(seq_len, int)
-        if concrete and batch * seq_len > POSITIONS_ONE_TOKEN_ABOVE:
-            tokens_per_program, qk_blocks_per_program = 1, q_heads + kv_heads  # clamped to the block count below
-        else:
-            tokens_per_program = 1 if isinstance(seq_len, int) and seq_len < 2 else 2
+    unknown = set(overrides) - set(TILE_OVERRIDES)
+    if unknown:
+        raise TypeError(f"launch_config: unknown overrides {sorted(unknown)}; expected some of {TILE_OVERRIDES}")
+    o = {name: overrides.get(name) for name in TILE_OVERRIDES}
+    concrete = isinstance(batch, int) and isinstance(seq_len, int)
+    if all(v is None for v in o.values()) and (not concrete or batch * seq_len >= STREAM_FROM_TOKENS):
+        half_block = triton.next_power_of_2(max(1, head_dim // 2))
+        o.update(heads_per_program=1, num_warps=NUM_WARPS, blocks_per_program=STREAM_BLOCKS,
+                 tokens_per_program=max(1, NUM_WARPS * 32 * max(1, 16 // element_size) // half_block))
     half_block, heads, tokens, num_warps = _tile(
-        kv_heads, seq_len if isinstance(seq_len, int) else None, head_dim, element_size, tokens_per_program,
-        heads_per_program, num_warps)
-    qk_blocks = triton.cdiv(q_heads, heads) + triton.cdiv(kv_heads, heads)
-    per_program = min(qk_blocks, qk_blocks_per_program or 1)
-    programs = triton.cdiv(qk_blocks, per_program) + triton.cdiv(kv_heads, heads)
-    grid = ((seq_len + tokens - 1) // tokens, programs, batch)
+        kv_heads, seq_len if isinstance(seq_len, int) else None, head_dim, element_size, o["tokens_per_program"],
+        o["heads_per_program"], o["num_warps"])
+    q_blocks, kv_blocks = triton.cdiv(q_heads, heads), triton.cdiv(kv_heads, heads)
+    per_program = max(1, min(max(q_blocks, kv_blocks), o["blocks_per_program"] or 1))
+    groups = triton.cdiv(q_blocks, per_program) + 2 * triton.cdiv(kv_blocks, per_program)
+    grid = ((seq_len + tokens - 1) // tokens, groups, batch)
     return LaunchConfig(half_block, heads, tokens, per_program, num_warps, grid)
 
 
@@ -741,10 +763,7 @@ def cache_kernel_call(
     attention_scaling: float = 1.0,
     k_cache_storage: torch.Tensor | None = None,
     v_cache_storage: torch.Tensor | None = None,
-    tokens_per_program: int | None = None,
-    heads_per_program: int | None = None,
-    num_warps: int | None = None,
-    qk_blocks_per_program: int | None = None,
+    tile: dict | None = None,
     in_graph: bool = False,
 ) -> TritonCall:
     """The kernel launch for these (real or fake) tensors, with every argument named.
@@ -766,8 +785,7 @@ def cache_kernel_call(
     batch, q_heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
     from_positions = position_ids is not None
-    config = launch_config(batch, q_heads, kv_heads, seq_len, head_dim, q.element_size(), tokens_per_program,
-                           heads_per_program, num_warps, qk_blocks_per_program, from_positions)
+    config = launch_config(batch, q_heads, kv_heads, seq_len, head_dim, q.element_size(), **(tile or {}))
     if from_positions:
         cos_strides = sin_strides = (0, 0)
         pos_strides = (_batch_stride(position_ids), position_ids.stride(1))
@@ -791,10 +809,7 @@ def cache_kernel_call(
     scalars = (float(q_eps), float(k_eps), float(attention_scaling))
     constexprs = dict(
         HEAD_DIM=head_dim,
-        HALF_BLOCK=config.half_block,
-        HEADS_PER_PROGRAM=config.heads_per_program,
-        TOKENS_PER_PROGRAM=config.tokens_per_program,
-        QK_BLOCKS_PER_PROGRAM=config.qk_blocks_per_program,
+        **config.constexprs(),
         ROPE_FROM_POSITIONS=from_positions,
         INTERPRETED=interpreting(),
         NORM_STYLE=NORM_STYLES.index(norm),
@@ -841,10 +856,7 @@ def qk_norm_rope_cache_triton(
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     *,
-    tokens_per_program: int | None = None,
-    heads_per_program: int | None = None,
-    num_warps: int | None = None,
-    qk_blocks_per_program: int | None = None,
+    tile: dict | None = None,
     norm: str = "weight",
     rope_first: bool = False,
     rotary_dim: int | None = None,
@@ -868,8 +880,7 @@ def qk_norm_rope_cache_triton(
         q_out, k_out: outputs shaped like q and k (any strides, ``stride(-1) == 1``).
         check_positions: compile the launch with device asserts (Triton's ``debug``, without its
             integer-overflow checks, as Inductor compiles kernels). The interpreter skips asserts.
-        tokens_per_program, heads_per_program, num_warps, qk_blocks_per_program: tuning overrides
-            (the first three powers of two); default ``launch_config``'s rule.
+        tile: tuning overrides of ``launch_config``'s rule (``TILE_OVERRIDES``).
         norm: the RMSNorm form, one of ``NORM_STYLES`` (the kernel's ``NORM_STYLE`` constexpr).
         rope_first: RoPE before the norm (HunYuan's order; the ``ROPE_FIRST`` constexpr).
         rotary_dim: features rotated, the first R of D (partial rotary; the ``ROTARY_DIM``
@@ -884,8 +895,7 @@ def qk_norm_rope_cache_triton(
     cache_kernel_call(
         q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
         norm=norm, rope_first=rope_first, rotary_dim=rotary_dim, interleaved=interleaved,
-        tokens_per_program=tokens_per_program, heads_per_program=heads_per_program, num_warps=num_warps,
-        qk_blocks_per_program=qk_blocks_per_program,
+        tile=tile,
     ).run(device_asserts=check_positions)
 
 
@@ -906,10 +916,7 @@ def qk_norm_rope_cache_from_positions_triton(
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     *,
-    tokens_per_program: int | None = None,
-    heads_per_program: int | None = None,
-    num_warps: int | None = None,
-    qk_blocks_per_program: int | None = None,
+    tile: dict | None = None,
     check_positions: bool = True,
 ) -> None:
     """As ``qk_norm_rope_cache_triton``, with cos/sin computed in the kernel (Hugging Face rotary).
@@ -938,8 +945,7 @@ def qk_norm_rope_cache_from_positions_triton(
     cache_kernel_call(
         q, k, v, q_weight, k_weight, None, None, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
         position_ids=position_ids, inv_freq=inv_freq, attention_scaling=attention_scaling,
-        tokens_per_program=tokens_per_program, heads_per_program=heads_per_program, num_warps=num_warps,
-        qk_blocks_per_program=qk_blocks_per_program,
+        tile=tile,
     ).run(device_asserts=check_positions)
 
 

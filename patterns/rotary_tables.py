@@ -41,7 +41,6 @@ import torch
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 
 from fusion_pass.kernels import qk_norm_rope_cache_triton as cache_kernel
-from fusion_pass.kernels.triton_call import side_table_index
 
 aten = torch.ops.aten
 
@@ -219,16 +218,8 @@ def compute_tables_in_kernels(graph: torch.fx.Graph) -> int:
         else:
             update.update(stride_cos_s=0, stride_sin_s=0, stride_pos_s=source.stride_s,
                           attention_scaling=source.attention_scaling)
-        # The tile that suits computing the angles (``launch_config``'s rule for positions).
-        q, k = launch["q_out_ptr"].meta["val"], launch["k_out_ptr"].meta["val"]
-        config = cache_kernel.launch_config(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3],
-                                            q.element_size(), rope_from_positions=True)
-        update.update(TOKENS_PER_PROGRAM=config.tokens_per_program,
-                      QK_BLOCKS_PER_PROGRAM=config.qk_blocks_per_program)
-        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-        kernel = getattr(kernel, "fn", kernel)
-        node.kwargs = dict(node.kwargs, kwargs=dict(launch, **update), grid=[tuple(config.grid)],
-                           kernel_idx=side_table_index(kernel, config.num_warps))
+        # The tile, grid and warps stay: ``launch_config``'s rule is the same for computed tables.
+        node.kwargs = dict(node.kwargs, kwargs=dict(launch, **update))
         if "eager_input_vals" in node.meta:  # Inductor reads the inputs' strides from here
             args, kwargs = node.meta["eager_input_vals"]
             vals = {k: (v.meta["val"] if isinstance(v, torch.fx.Node) else v) for k, v in update.items()}

@@ -121,7 +121,8 @@ def variants() -> dict:
     bwd_pointers = {"rq_ptr": "*fp32", "rk_ptr": "*fp32", "gw_ws_ptr": "*fp32", "cs_ws_ptr": "*fp32"}
     out = {}
     for rope_from_positions in (False, True):
-        constexprs = dict(HEAD_DIM=128, HALF_BLOCK=64, HEADS_PER_PROGRAM=8, TOKENS_PER_PROGRAM=4, QK_BLOCKS_PER_PROGRAM=1,
+        constexprs = dict(HEAD_DIM=128, HALF_BLOCK=64, HEADS_PER_PROGRAM=8, TOKENS_PER_PROGRAM=4, BLOCKS_PER_PROGRAM=1,
+
                           ROPE_FROM_POSITIONS=rope_from_positions, INTERPRETED=False, NORM_STYLE=0,
                           ROPE_FIRST=False, ROTARY_DIM=128,
                           INTERLEAVED=False)
@@ -164,14 +165,18 @@ def variants() -> dict:
     out["forward_graph_bf16_d128"] = (inductor_source(forward._qk_norm_rope_cache_graph_kernel), pointers,
                                       dict(constexprs, **layout, position_ids_ptr=None, inv_freq_ptr=None), set(),
                                       inductor_options)
-    # Long prefills with cos/sin computed in the kernel: one token and all 13 q/k head blocks (96/8
-    # heads) per program, 2 warps (``launch_config``'s rule above POSITIONS_ONE_TOKEN_ABOVE tokens).
-    out["forward_graph_bf16_d128_from_positions_one_token"] = (
+    # From 1024 tokens on (``launch_config``'s streaming tile): one head x 16 tokens per block, 4 blocks
+    # per program, 4 warps; cos/sin read from tables, or computed from positions (Qwen3-Coder: 96/8 heads).
+    streaming = dict({k: v for k, v in out["forward_graph_bf16_d128"][2].items()},
+                     HEADS_PER_PROGRAM=1, TOKENS_PER_PROGRAM=16, BLOCKS_PER_PROGRAM=4, Q_HEADS=96,
+                     STRIDE_Q_S=96 * 128, STRIDE_QO_S=96 * 128)
+    out["forward_graph_bf16_d128_streaming"] = (out["forward_graph_bf16_d128"][0], pointers, streaming, set(),
+                                               inductor_options)
+    out["forward_graph_bf16_d128_streaming_from_positions"] = (
         out["forward_graph_bf16_d128"][0], pointers,
-        dict({k: v for k, v in out["forward_graph_bf16_d128"][2].items() if k not in ("position_ids_ptr", "inv_freq_ptr")},
-             ROPE_FROM_POSITIONS=True, TOKENS_PER_PROGRAM=1, QK_BLOCKS_PER_PROGRAM=13, Q_HEADS=96,
-             STRIDE_Q_S=96 * 128, STRIDE_QO_S=96 * 128, cos_ptr=None, sin_ptr=None, STRIDE_POS_S=1),
-        set(), dict(inductor_options, num_warps=2))
+        dict({k: v for k, v in streaming.items() if k not in ("position_ids_ptr", "inv_freq_ptr")},
+             ROPE_FROM_POSITIONS=True, cos_ptr=None, sin_ptr=None, STRIDE_POS_S=1),
+        set(), inductor_options)
     # Inductor's mutation analysis traces user kernels with their float arguments as Python constants.
     fn, pointers, constexprs, floats, options = out["forward_bf16_d128_as_inductor_emits_it"]
     out["forward_bf16_d128_floats_as_constants"] = (

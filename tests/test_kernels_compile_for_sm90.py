@@ -47,7 +47,7 @@ VARIANTS = [
     # as Inductor's generated code defines them (the source of the kernel and its helpers)
     "forward_bf16_d128_as_inductor_emits_it", "forward_bf16_d128_from_positions_as_inductor_emits_it",
     "forward_bf16_d128_floats_as_constants",
-    "forward_graph_bf16_d128", "forward_graph_bf16_d128_from_positions_one_token",
+    "forward_graph_bf16_d128", "forward_graph_bf16_d128_streaming", "forward_graph_bf16_d128_streaming_from_positions",
     "backward_elementwise_bf16_d128_with_grads_as_inductor_emits_it",
     "backward_rows_bf16_d128_with_grads_as_inductor_emits_it", "backward_finish_w1_cs1_as_inductor_emits_it",
     # the graph entries (every scalar a constexpr), as Inductor emits them
@@ -73,7 +73,8 @@ def test_contraction_control_shows_the_fmas_round_sum_prevents():
     assert r["fma_bf16"] > 0, r
 
 
-@pytest.mark.parametrize("variant,assert_barriers", [("forward_bf16_d128", 0), ("forward_graph_bf16_d128", 1)])
+@pytest.mark.parametrize("variant,assert_barriers", [("forward_bf16_d128", 0), ("forward_graph_bf16_d128", 1),
+                                                     ("forward_graph_bf16_d128_streaming", 1)])
 def test_forward_kernel_has_no_layout_conversion_barriers_and_few_registers(variant, assert_barriers):
     """No shared-memory layout conversion. Compiled as Inductor compiles it (device asserts on),
     the kernel has exactly one barrier: Triton ends a ``tl.device_assert`` with one, and the
@@ -81,3 +82,10 @@ def test_forward_kernel_has_no_layout_conversion_barriers_and_few_registers(vari
     r = report()[variant]
     assert r["barriers"] == assert_barriers, r
     assert 0 < r["registers"] <= 80, r
+
+
+def test_streaming_tile_computing_cos_sin_keeps_eight_programs_per_sm():
+    """cos/sin computed from positions (``sin_cos``: no libdevice slow path) cost the streaming tile
+    a few registers, not occupancy: at most 64 registers, i.e. 8 resident 4-warp programs per SM."""
+    r = report()["forward_graph_bf16_d128_streaming_from_positions"]
+    assert 0 < r["registers"] <= 64, r

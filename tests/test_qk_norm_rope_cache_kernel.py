@@ -137,18 +137,19 @@ def check_against_reference(case, q_out, k_out, k_cache_before, v_cache_before, 
     return max(q_err, k_err)
 
 
-def run_kernel(case, **overrides):
+def run_kernel(case, check_positions=True, **tile):
     q_out, k_out = torch.empty_like(case["q"]), torch.empty_like(case["k"])
     k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
     kernel.qk_norm_rope_cache_triton(
         case["q"], case["k"], case["v"], case["q_weight"], case["k_weight"], case["cos"], case["sin"],
-        case["k_cache"], case["v_cache"], case["cache_position"], EPS_Q, EPS_K, q_out, k_out, **overrides,
+        case["k_cache"], case["v_cache"], case["cache_position"], EPS_Q, EPS_K, q_out, k_out, tile=tile,
+        check_positions=check_positions,
     )
     return q_out, k_out, k_before, v_before
 
 
-def run_and_check(case, max_ulps=None, **overrides):
-    q_out, k_out, k_before, v_before = run_kernel(case, **overrides)
+def run_and_check(case, max_ulps=None, check_positions=True, **tile):
+    q_out, k_out, k_before, v_before = run_kernel(case, check_positions, **tile)
     return check_against_reference(case, q_out, k_out, k_before, v_before, max_ulps)
 
 
@@ -261,7 +262,10 @@ def test_strided_caches_and_outputs_write_nothing_outside():
         (96, {}),  # non-power-of-two D: the half (48) is padded to 64 and masked
         (48, dict(tokens_per_program=2)),
         (16, {}),
-        (64, dict(heads_per_program=2, qk_blocks_per_program=2)),  # 3 q + 1 k blocks: a q/k program, a tail
+        (64, dict(heads_per_program=2, blocks_per_program=2)),  # 3 q blocks: a full q program, a masked tail
+        # One head per block, several blocks per program, and head counts they do not divide:
+        (64, dict(heads_per_program=1, tokens_per_program=4, blocks_per_program=4)),
+        (64, dict(heads_per_program=1, tokens_per_program=8, blocks_per_program=5)),
     ],
 )
 def test_partial_tiles(head_dim, overrides):
@@ -281,8 +285,10 @@ def test_no_query_heads_still_writes_k_out_and_both_caches():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("position_batch,scaling", [(2, 1.0), (1, 0.7071)])
-@pytest.mark.parametrize("qk_blocks_per_program", [1, 2, 3])
-def test_from_positions(dtype, position_batch, scaling, qk_blocks_per_program):
+@pytest.mark.parametrize("tile", [dict(blocks_per_program=1), dict(blocks_per_program=3),
+                                  dict(heads_per_program=1, tokens_per_program=4, blocks_per_program=3)],
+                         ids=["one-block", "three-blocks", "one-head-blocks"])
+def test_from_positions(dtype, position_batch, scaling, tile):
     """cos/sin computed in the kernel from position_ids and inv_freq, positions up to 262143."""
     batch, head_dim, length = 2, 64, 64
     case = make_case(batch=batch, q_heads=4, kv_heads=2, seq=7, head_dim=head_dim, cache_len=length, dtype=dtype,
@@ -297,7 +303,7 @@ def test_from_positions(dtype, position_batch, scaling, qk_blocks_per_program):
     kernel.qk_norm_rope_cache_from_positions_triton(
         case["q"], case["k"], case["v"], case["q_weight"], case["k_weight"], position_ids, inv_freq, scaling,
         case["k_cache"], case["v_cache"], case["cache_position"], EPS_Q, EPS_K, q_out, k_out,
-        qk_blocks_per_program=qk_blocks_per_program,
+        tile=tile,
     )
     cos, sin = kernel.rope_cos_sin_reference(position_ids, inv_freq, scaling, dtype)
     # One more ulp than the tensor path: an fp32 cos/sin one ulp off can flip its own rounding.
@@ -332,39 +338,41 @@ def test_op_dispatches_to_the_kernel():
 
 
 def test_launch_config_rule():
-    # Qwen3-Coder-480B (Hq 96, Hkv 8, D 128, bf16): 8 heads x 4 tokens, 4 warps, 14 head blocks.
+    """Qwen3-Coder-480B (Hq 96, Hkv 8, D 128, bf16), with or without cos/sin computed in the kernel."""
+    # From STREAM_FROM_TOKENS tokens on: one head x 16 tokens per block (one 16-byte vector per lane
+    # per half row with 4 warps), STREAM_BLOCKS = 4 blocks of one tensor per program:
+    # 96 / 4 = 24 q groups, then 2 k and 2 v groups.
     big = kernel.launch_config(1, 96, 8, 4096, 128, 2)
-    assert (big.heads_per_program, big.tokens_per_program, big.num_warps) == (8, 4, 4)
-    assert big.grid == (1024, 14, 1)
+    assert (big.heads_per_program, big.tokens_per_program, big.blocks_per_program, big.num_warps) == (1, 16, 4, 4)
+    assert big.grid == (256, 24 + 2 + 2, 1)
+    at_threshold = kernel.launch_config(8, 96, 8, kernel.STREAM_FROM_TOKENS // 8, 128, 2)
+    assert at_threshold.grid == (kernel.STREAM_FROM_TOKENS // 8 // 16, 28, 8)
+    # Below it: 8 heads x 4 tokens, one block per program, 12 + 1 + 1 groups.
+    small = kernel.launch_config(1, 96, 8, kernel.STREAM_FROM_TOKENS - 1, 128, 2)
+    assert (small.heads_per_program, small.tokens_per_program, small.blocks_per_program, small.num_warps) == (
+        8, 4, 1, 4)
+    assert small.grid == (kernel.STREAM_FROM_TOKENS // 4, 14, 1)
     decode = kernel.launch_config(4, 96, 8, 1, 128, 2)
     assert (decode.heads_per_program, decode.tokens_per_program, decode.num_warps) == (8, 1, 2)
     assert decode.grid == (1, 14, 4)
-    # No new constexpr configuration for a new S once S >= 4 (seq_len itself is not specialized).
+    # Other head dims and dtypes keep one vector per lane: D 64 -> 32 tokens; fp32 D 128 -> 8.
+    assert kernel.launch_config(1, 32, 8, 4096, 64, 2).tokens_per_program == 32
+    assert kernel.launch_config(1, 32, 8, 4096, 128, 4).tokens_per_program == 8
+    # A head count the blocks do not divide: a masked tail group (Hq 6 -> 2 q groups of 4).
+    assert kernel.launch_config(1, 6, 2, 4096, 128, 2).grid == (256, 2 + 1 + 1, 1)
+    # Overrides win over the rule.
+    tuned = kernel.launch_config(1, 96, 8, 4096, 128, 2, tokens_per_program=4)
+    assert (tuned.heads_per_program, tuned.tokens_per_program, tuned.blocks_per_program) == (8, 4, 1)
+    # No new constexpr configuration for a new S once S >= 4 within either tile
+    # (seq_len itself is not specialized).
     constexprs = {
-        (c.half_block, c.heads_per_program, c.tokens_per_program, c.num_warps)
-        for s in (4, 5, 128, 293, 541, 4096, 100000)
+        (c.half_block, c.heads_per_program, c.tokens_per_program, c.blocks_per_program, c.num_warps)
+        for s in (4, 5, 128, 293, 541, 1023, 1024, 4096, 100000)
         for c in [kernel.launch_config(1, 96, 8, s, 128, 2)]
     }
-    assert len(constexprs) == 1
+    assert len(constexprs) == 2
     if not INTERPRETED:
         assert "seq_len" in kernel._qk_norm_rope_cache_kernel.do_not_specialize
-
-
-def test_launch_config_rule_when_the_kernel_computes_cos_sin():
-    # Above POSITIONS_ONE_TOKEN_ABOVE tokens: one token and all 13 q/k head blocks per program
-    # (12 q + 1 k), each program computing its token's angles once; v keeps one block per program.
-    big = kernel.launch_config(1, 96, 8, 4096, 128, 2, rope_from_positions=True)
-    assert (big.tokens_per_program, big.qk_blocks_per_program, big.num_warps) == (1, 13, 2)
-    assert big.grid == (4096, 1 + 1, 1)
-    at_threshold = kernel.launch_config(8, 96, 8, kernel.POSITIONS_ONE_TOKEN_ABOVE // 8, 128, 2,
-                                        rope_from_positions=True)
-    assert (at_threshold.tokens_per_program, at_threshold.qk_blocks_per_program) == (2, 1)
-    assert at_threshold.grid == (kernel.POSITIONS_ONE_TOKEN_ABOVE // 16, 14, 8)
-    decode = kernel.launch_config(4, 96, 8, 1, 128, 2, rope_from_positions=True)
-    assert (decode.tokens_per_program, decode.qk_blocks_per_program, decode.grid) == (1, 1, (1, 14, 4))
-    # Overrides win over the rule.
-    tuned = kernel.launch_config(1, 96, 8, 4096, 128, 2, tokens_per_program=4, rope_from_positions=True)
-    assert (tuned.tokens_per_program, tuned.qk_blocks_per_program) == (4, 1)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True,

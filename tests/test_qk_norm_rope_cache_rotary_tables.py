@@ -115,12 +115,10 @@ def test_rotary_tables_move_into_the_kernel(rotary, scaling):
     _, eager_kwargs = hop.meta["eager_input_vals"]  # the strides Inductor enforces: the same containers
     assert type(eager_kwargs["kwargs"]) is type(hop.kwargs["kwargs"])
     assert eager_kwargs["kwargs"]["position_ids_ptr"] is launch["position_ids_ptr"].meta["val"]
-    # The tile and grid are those launch_config picks for a kernel that computes the angles.
+    # The tile and grid are launch_config's (the same rule as for tables).
     q, k = launch["q_out_ptr"].meta["val"], launch["k_out_ptr"].meta["val"]
-    config = cache_kernel.launch_config(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], q.element_size(),
-                                        rope_from_positions=True)
-    assert (launch["TOKENS_PER_PROGRAM"], launch["QK_BLOCKS_PER_PROGRAM"]) == (
-        config.tokens_per_program, config.qk_blocks_per_program)
+    config = cache_kernel.launch_config(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], q.element_size())
+    assert {name: launch[name] for name in config.constexprs()} == config.constexprs()
     assert list(hop.kwargs["grid"]) == [tuple(config.grid)] and eager_kwargs["grid"] == hop.kwargs["grid"]
     assert kernel_side_table.get_kernel(hop.kwargs["kernel_idx"]).configs[0].num_warps == config.num_warps
     lowered = copy.deepcopy(fused)  # torch 2.11 raised here on a plain dict in eager_input_vals
