@@ -318,6 +318,42 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_f(result: dict, path: str) -> None:
+    """Suite F per case: CUDA-graph replay over the bytes floor (stock, pass) and the default-mode
+    paired ratio pass / stock, as DIR/<date>-h200-compiled-F.png."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return
+    rows = result["F"]
+    names = [f"S{r['S']}\nC{r['C']}\nB{r['B']}" for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(13, 7), sharex=True)
+    for i, (key, label) in enumerate((("stock_graph_us", "stock torch.compile"), ("fusion_pass_graph_us", "+ fusion_pass"))):
+        top.bar([j + (i - 0.5) * 0.4 for j in range(len(rows))],
+                [r[key] / r["floor_us"] if r.get(key) else float("nan") for r in rows], 0.4, label=label)
+    top.axhline(1.0, color="black", linewidth=0.8)
+    top.axhline(1.1, color="gray", linewidth=0.8, linestyle="--", label="1.1x floor")
+    top.set_yscale("log")
+    top.set_ylabel("CUDA-graph replay / floor")
+    top.legend()
+    paired = [(r.get("interleaved_ratio") or {}) for r in rows]
+    bottom.bar(range(len(rows)), [p.get("median", float("nan")) for p in paired], 0.5,
+               yerr=[[p["median"] - p["q1"] if "q1" in p else 0 for p in paired],
+                     [p["q3"] - p["median"] if "q3" in p else 0 for p in paired]], color="tab:orange")
+    bottom.axhline(1.0, color="black", linewidth=0.8)
+    bottom.set_ylabel("default mode: pass / stock\n(paired rounds, quartiles)")
+    bottom.set_xticks(range(len(rows)))
+    bottom.set_xticklabels(names, fontsize=8)
+    top.set_title(f"Suite F, Hugging Face-style module, {result['gpu']}, torch {result['torch']}, {result['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
 def part(cases: list, spec: str) -> list:
     """The K-th of N contiguous, near-equal slices of ``cases``; ``spec`` is "K/N", 1 <= K <= N."""
     k, n = (int(x) for x in spec.split("/"))
@@ -383,6 +419,8 @@ def main() -> int:
                 f"{fmt(r.get('fusion_pass_host_us'))} | fused {r.get('fused')} err {r.get('fusion_pass_max_rel_err')}"
                 f" stock err {r.get('stock_max_rel_err')} ({time.perf_counter() - t0:.0f} s)")
     save()
+    if result.get("F"):
+        plot_f(result, path + "-F.png")
     log(markdown(result))
     return 0
 
