@@ -12,8 +12,6 @@ pattern, a kernel or the configuration can never serve a stale graph (pytorch#13
 from __future__ import annotations
 
 import functools
-import hashlib
-import pathlib
 from typing import Any, Callable
 
 import torch
@@ -26,26 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from . import config as fusion_config
 from . import match_report
 from .families import pattern_module
-
-@functools.lru_cache(maxsize=None)
-def _source_hash() -> str:
-    """sha256 over every Python source of fusion_pass, its patterns and its kernels."""
-    import fusion_pass.kernels
-    import fusion_pass.patterns
-
-    # patterns/ and kernels/ live outside fusion_pass/ in the source tree (package-dir mapping).
-    roots = {
-        pathlib.Path(__file__).parent,
-        pathlib.Path(fusion_pass.patterns.__file__).parent,
-        pathlib.Path(fusion_pass.kernels.__file__).parent,
-    }
-    digest = hashlib.sha256()
-    for root in sorted(roots):
-        for path in sorted(root.rglob("*.py")):
-            digest.update(path.name.encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
+from .source_hash import source_hash
 
 @functools.lru_cache(maxsize=None)
 def _family_pass(family: str) -> PatternMatcherPass:
@@ -145,7 +124,7 @@ class FusionGraphPass(_InferenceAwarePass):
             "fusion_pass",
             self.stage,
             self.families,
-            _source_hash(),
+            source_hash(),
             repr(self.config),
             torch.__version__,
             tuple(previous_uuid),

@@ -69,6 +69,7 @@ comes from the bound values.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 import itertools
 from typing import Any, Callable
@@ -87,6 +88,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
+from fusion_pass.pattern_cache import traced_pattern
 from fusion_pass.patterns.canonical_forms import scatter_sums_second_half_first
 # The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
@@ -563,12 +565,26 @@ def applies_to(graph: torch.fx.Graph) -> bool:
     return any(node.op == "placeholder" and node.name.startswith("tangents") for node in graph.nodes)
 
 
-def register(pass_dict: PatternMatcherPass) -> None:
-    """Register every variant (traced with joint_fwd_bwd) into ``pass_dict``.
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """One variant as ``register_replacement`` takes it; ``trace()`` gives its pattern."""
 
-    ``fusion_pass.passes`` calls this outside any compile's tracing context, under a fresh
-    FakeTensorMode and with inference mode off (the joint patterns need autograd).
-    """
+    name: str
+    search: Callable
+    replace: Callable
+    check: Callable
+    example_inputs: list
+    scalars: dict
+    tensor_names: tuple
+
+    def trace(self):
+        return gen_pattern(self.search, self.example_inputs, _joint_fwd_bwd_static_ints, self.scalars,
+                           self.tensor_names)
+
+
+def registrations() -> list[Registration]:
+    """Every variant of ``_variants()``, ready to trace and register (under fake mode: see ``register``)."""
+    out = []
     for structure, bias, dtype, training, norm_grad, rope_grad, rope_first in _variants():
         if structure == "fused":
             search, replace, check = _fused_qkv_search, _fused_qkv_replacement, _check_fused
@@ -585,21 +601,33 @@ def register(pass_dict: PatternMatcherPass) -> None:
         if not bias:
             fixed.update(no_bias)
             tensor_names = tuple(n for n in tensor_names if n not in no_bias)
-        search, replace = _without(search, **fixed), _without(replace, **fixed)
-        name = variant_name(structure, bias, dtype, training, norm_grad, rope_grad, rope_first)
-        example_inputs = _example_inputs(structure, bias, dtype, norm_grad, rope_grad, training)
-        trace_fn = _joint_fwd_bwd_static_ints
-        pattern = gen_pattern(search, example_inputs, trace_fn, scalars, tensor_names)
+        out.append(Registration(
+            name=variant_name(structure, bias, dtype, training, norm_grad, rope_grad, rope_first),
+            search=_without(search, **fixed), replace=_without(replace, **fixed), check=check,
+            example_inputs=_example_inputs(structure, bias, dtype, norm_grad, rope_grad, training),
+            scalars=scalars, tensor_names=tensor_names,
+        ))
+    return out
+
+
+def register(pass_dict: PatternMatcherPass) -> None:
+    """Register every variant (traced with joint_fwd_bwd, or loaded from ``pattern_cache``) into
+    ``pass_dict``.
+
+    ``fusion_pass.passes`` calls this outside any compile's tracing context, under a fresh
+    FakeTensorMode and with inference mode off (the joint patterns need autograd).
+    """
+    for r in registrations():
         register_replacement(
-            search,
-            replace,
-            example_inputs,
-            trace_fn,
+            r.search,
+            r.replace,
+            r.example_inputs,
+            _joint_fwd_bwd_static_ints,
             pass_dict,
-            extra_check=_counting(check, name),
-            scalar_workaround=scalars,
-            exclusive_arg_names=tensor_names,
-            search_fn_pattern=pattern,
+            extra_check=_counting(r.check, r.name),
+            scalar_workaround=r.scalars,
+            exclusive_arg_names=r.tensor_names,
+            search_fn_pattern=traced_pattern(f"qkv_rope_qk_norm_{r.name}", r.trace),
         )
 
 

@@ -167,18 +167,18 @@ def test_uuid_follows_configuration_and_users_pass():
 
 
 def test_uuid_changes_when_a_source_file_changes(monkeypatch, tmp_path):
-    from fusion_pass import passes
+    from fusion_pass.source_hash import source_hash
 
-    first = passes._source_hash()
-    passes._source_hash.cache_clear()
+    first = source_hash()
+    source_hash.cache_clear()
     real_read_bytes = type(tmp_path).read_bytes
     monkeypatch.setattr(type(tmp_path), "read_bytes", lambda self: real_read_bytes(self) + b"# edited")
     try:
-        assert passes._source_hash() != first
+        assert source_hash() != first
     finally:
         monkeypatch.undo()
-        passes._source_hash.cache_clear()
-    assert passes._source_hash() == first
+        source_hash.cache_clear()
+    assert source_hash() == first
 
 
 def test_bad_configuration_names_the_argument():

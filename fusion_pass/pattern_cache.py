@@ -1,0 +1,138 @@
+"""Traced search patterns kept on disk between processes.
+
+unfused (before): every process traced each registered variant at its first compile, e.g. the
+training family's 48 forward + backward traces (``joint_fwd_bwd``): 21-33 s on a 2-core CPU,
+before the first training graph could even be matched.
+
+cached: the first process writes each traced pattern as Python source, in the form Inductor ships
+its own pre-traced patterns in (``PatternPrettyPrinter``; ``torch/_inductor/fx_passes/
+serialized_patterns``), to ``<Inductor's cache dir>/fusion_pass_patterns/``; later processes
+execute that source instead of tracing. A file is named by the variant and keyed by torch's
+version and this package's sources (``source_hash``), so a new torch or an edited pattern traces
+afresh; a file that fails to load is traced again and rewritten. ``FUSION_PASS_PATTERN_CACHE=0``
+turns the cache off (every process traces).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import operator
+import os
+from typing import Callable
+
+import torch
+from torch._inductor import pattern_matcher
+from torch._inductor.pattern_matcher import PatternExpr, PatternPrettyPrinter, _TargetArgsExpr
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+from .source_hash import source_hash
+
+log = logging.getLogger(__name__)
+
+#: Set to "0" to trace every pattern in every process.
+ENV_SWITCH = "FUSION_PASS_PATTERN_CACHE"
+
+
+def cache_dir() -> str:
+    """``fusion_pass_patterns`` under Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    return os.path.join(inductor_cache_dir(), "fusion_pass_patterns")
+
+
+def pattern_path(name: str) -> str:
+    """The file of variant ``name`` for this torch and these sources."""
+    key = hashlib.sha256(f"{torch.__version__}\0{source_hash()}\0{name}".encode()).hexdigest()[:20]
+    return os.path.join(cache_dir(), f"{name}-{key}.py")
+
+
+class _Printer(PatternPrettyPrinter):
+    """Inductor's printer (written for its attention patterns), made exact for ours:
+
+    - list and tuple arguments (``cat``'s tensors, ``split``'s sizes) are printed item by item (it
+      ``repr``s them, i.e. writes sub-patterns as ``*``), and FX's ``immutable_list`` stays one
+      (the matcher compares argument containers by type);
+    - argument patterns (``KeywordArg``, ``ExclusiveKeywordArg``, ``Ignored``) are shared as in the
+      traced pattern (an exclusive argument that appears twice must stay one object, or its second
+      occurrence fails to match), with the ``users`` count the tracer gave them.
+    """
+
+    def pretty_print(self, obj):
+        if isinstance(obj, (list, tuple)):
+            items = ", ".join(self.pretty_print(x) for x in obj)
+            if isinstance(obj, immutable_list):
+                return f"immutable_list([{items}])"
+            return f"[{items}]" if isinstance(obj, list) else f"({items}{',' if len(obj) == 1 else ''})"
+        if isinstance(obj, dict):
+            items = ", ".join(f"{k!r}: {self.pretty_print(v)}" for k, v in obj.items())
+            return f"immutable_dict({{{items}}})" if isinstance(obj, immutable_dict) else f"{{{items}}}"
+        if isinstance(obj, PatternExpr) and not isinstance(obj, _TargetArgsExpr):
+            if obj not in self.memoized_objs_names:
+                source = obj.pretty_print(self) if hasattr(type(obj), "pretty_print") else repr(obj)
+                if hasattr(obj, "users"):
+                    source = f"_with_users({source}, {obj.users!r})"
+                self.memoized_objs_names[obj] = self.namespace.create_name(type(obj).__name__.lower(), None)
+                self.memoized_objs_pp[obj] = source
+            return self.memoized_objs_names[obj]
+        return super().pretty_print(obj)
+
+
+def _with_users(pattern: PatternExpr, users) -> PatternExpr:
+    pattern.users = users
+    return pattern
+
+
+def to_source(pattern: PatternExpr) -> str:
+    """Python source that rebuilds ``pattern`` as the variable ``pattern`` (``PatternPrettyPrinter.run``'s
+    layout: one line per shared sub-pattern, then the pattern)."""
+    printer = _Printer()
+    out = pattern.pretty_print(pp=printer)
+    lines = [f"{printer.memoized_objs_names[key]} = {printer.memoized_objs_pp[key]}" for key in printer.memoized_objs_names]
+    return "\n".join([*lines, f"pattern = {out}"])
+
+
+@functools.lru_cache(maxsize=1)
+def _names() -> dict:
+    """What the printed source refers to: torch, the op namespaces and the pattern classes."""
+    names = {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator,
+             "immutable_list": immutable_list, "immutable_dict": immutable_dict, "_with_users": _with_users}
+    names.update({name: value for name, value in vars(pattern_matcher).items() if isinstance(value, type)})
+    return names
+
+
+def from_source(source: str) -> PatternExpr:
+    """The pattern that ``to_source``'s output builds."""
+    namespace = dict(_names())
+    exec(compile(source, "<fusion_pass pattern>", "exec"), namespace)  # noqa: S102 - our own file, see module docstring
+    return namespace["pattern"]
+
+
+def traced_pattern(name: str, trace: Callable[[], PatternExpr]) -> PatternExpr:
+    """Variant ``name``'s pattern: loaded from its file, or ``trace()``d and written there.
+
+    Args:
+        name: a name unique among this package's registrations (letters, digits, ``_``).
+        trace: traces the pattern (e.g. ``gen_pattern(search_fn, example_inputs, trace_fn, ...)``).
+    """
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return trace()
+    path = pattern_path(name)
+    try:
+        with open(path) as f:
+            return from_source(f.read())
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a damaged file is traced again and replaced
+        log.warning("fusion_pass: re-tracing pattern %s, its cached file %s failed to load: %s", name, path, e)
+    pattern = trace()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w") as f:
+            f.write(to_source(pattern) + "\n")
+        os.replace(partial, path)  # atomic: a concurrent reader sees the whole file or none
+    except OSError as e:
+        log.warning("fusion_pass: could not cache pattern %s at %s: %s", name, path, e)
+    return pattern
