@@ -114,7 +114,7 @@ def test_hf_static_cache_prefill_then_decode(family):
 
 def _hybrid_model(family: str):
     """A 2-layer bf16 model of a newer family whose attention layers have the prologue in a form of
-    their own: (config, model, attention layers with the prologue)."""
+    their own: (config, model, attention layers, of which with the prologue)."""
     import transformers
 
     geometry = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -124,47 +124,51 @@ def _hybrid_model(family: str):
                   linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
     if family == "qwen3_5":  # (1 + weight) fp32 norm, partial rotary (64 x 0.25 = 16), gated query chunk
         config = transformers.Qwen3_5TextConfig(**geometry, head_dim=64, **linear)
-        model, attention_layers = transformers.Qwen3_5ForCausalLM(config), 1
+        model, layers = transformers.Qwen3_5ForCausalLM(config), (1, 1)
     elif family == "qwen3_next":  # the same attention, MoE MLPs
         config = transformers.Qwen3NextConfig(**geometry, head_dim=64, **linear, num_experts=4, num_experts_per_tok=2,
                                               moe_intermediate_size=32, shared_expert_intermediate_size=32)
-        model, attention_layers = transformers.Qwen3NextForCausalLM(config), 1
+        model, layers = transformers.Qwen3NextForCausalLM(config), (1, 1)
     elif family == "gemma3n":  # RoPE on [B, S, H, D] before the transpose, pow(ms, -0.5) norm
         config = transformers.Gemma3nTextConfig(**geometry, head_dim=32, layer_types=["full_attention"] * 2,
                                                 num_kv_shared_layers=0, altup_num_inputs=2, laurel_rank=8,
                                                 hidden_size_per_layer_input=16, vocab_size_per_layer_input=128,
                                                 activation_sparsity_pattern=[0.0, 0.0])
-        model, attention_layers = transformers.Gemma3nForCausalLM(config), 2
+        model, layers = transformers.Gemma3nForCausalLM(config), (2, 2)
     elif family == "gemma4":  # a sliding layer and a full one (partial "proportional" rotary, 64 x 0.25)
         # head_dim 64 for every layer: Gemma4's own full layers take 512, which the kernel does not serve.
         config = transformers.Gemma4TextConfig(**geometry, head_dim=64, layer_types=["sliding_attention", "full_attention"],
                                                per_layer_config={}, sliding_window=16)
-        model, attention_layers = transformers.Gemma4ForCausalLM(config), 2
+        model, layers = transformers.Gemma4ForCausalLM(config), (2, 2)
+    elif family == "afmoe":  # AfmoeRMSNorm; RoPE on the sliding layers only, the full layer has none
+        config = transformers.AfmoeConfig(**geometry, head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                                          num_dense_layers=2, sliding_window=16)
+        model, layers = transformers.AfmoeForCausalLM(config), (2, 1)
     else:
-        raise ValueError(f"family: expected qwen3_5, qwen3_next, gemma3n or gemma4, got {family!r}")
+        raise ValueError(f"family: expected qwen3_5, qwen3_next, gemma3n, gemma4 or afmoe, got {family!r}")
     model = model.to(torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # away from the initial values, which could hide a weight applied twice
                 p.add_(0.1 * torch.randn_like(p))
-    return config, model, attention_layers
+    return config, model, *layers
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "gemma3n", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "gemma3n", "gemma4", "afmoe"])
 def test_hf_hybrid_families_prefill_then_decode(family):
     """Qwen3.5 and Qwen3-Next (linear-attention layers beside the attention), Gemma3n and Gemma4
-    (RoPE before the transpose; Gemma4 a sliding layer): every attention layer fused in the prefill
-    and the decode graph, logits within bf16 rounding of eager, the cache rows written as eager
-    writes them and no other row touched."""
-    config, model, attention_layers = _hybrid_model(family)
+    (RoPE before the transpose; Gemma4 a sliding layer), AFMoE (RoPE on its sliding layers only):
+    every attention layer with the prologue fused in the prefill and the decode graph, logits within
+    bf16 rounding of eager, the cache rows written as eager writes them and no other row touched."""
+    config, model, attention_layers, prologue_layers = _hybrid_model(family)
     batch, seq, cache_len, steps = 2, 7, 32, 1
     input_ids = torch.randint(0, config.vocab_size, (batch, seq))
     ref_logits, ref_cache = _prefill_and_decode(model, config, input_ids, cache_len, steps)
     torch._dynamo.reset()
     compiled, _ = compile_forward(model)
     logits, cache = _prefill_and_decode(compiled, config, input_ids, cache_len, steps)
-    assert fused_count() == 2 * attention_layers
+    assert fused_count() == 2 * prologue_layers
     for out, ref in zip(logits, ref_logits):
         err = (out.float() - ref.float()).abs().max().item()
         assert err <= 8 * BF16_EPS * ref.float().abs().max().item(), err  # as the GPU test allows
