@@ -37,8 +37,7 @@ model = transformers.Qwen3ForCausalLM(config).to(device)
 ids = torch.randint(0, 128, (2, 7), device=device)
 options = fusion_pass.options(devices=(device,)) if variant == "pass" else None
 registration = {}
-if variant == "pass":
-    family = "qk_norm_rope_cache" if case == "prefill" else "qkv_rope_qk_norm"
+if variant == "pass":  # time every family the compile registers
     original = passes._family_pass.__wrapped__
     def timed(f):
         t = time.perf_counter(); out = original(f); registration[f] = time.perf_counter() - t; return out

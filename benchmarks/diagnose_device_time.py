@@ -106,6 +106,7 @@ def forward_inputs(S, C, B, cache_len=262144, shared_cos=False):
 
 
 def forward_callables(x, **launch):
+    """(the op, the launcher with ``launch`` as its tile overrides) on inputs ``x``."""
     def op():
         return torch.ops.fusion_pass.qk_norm_rope_cache(
             x["q"], x["k"], x["v"], x["qw"], x["kw"], x["cos"], x["sin"], x["kc"], x["vc"], x["pos"], 1e-6, 1e-6)
@@ -113,7 +114,7 @@ def forward_callables(x, **launch):
     def launcher():
         fwd.qk_norm_rope_cache_triton(
             x["q"], x["k"], x["v"], x["qw"], x["kw"], x["cos"], x["sin"], x["kc"], x["vc"], x["pos"], 1e-6, 1e-6,
-            x["q_out"], x["k_out"], **launch)
+            x["q_out"], x["k_out"], tile=launch)
 
     return op, launcher
 

@@ -26,6 +26,7 @@ from . import match_report
 from .families import pattern_module
 from .source_hash import source_hash
 
+
 @functools.lru_cache(maxsize=None)
 def _family_pass(family: str) -> PatternMatcherPass:
     """The family's patterns, traced and registered once per process.

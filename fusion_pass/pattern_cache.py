@@ -16,6 +16,7 @@ turns the cache off (every process traces).
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import logging
 import operator
@@ -42,9 +43,11 @@ def cache_dir() -> str:
     return os.path.join(inductor_cache_dir(), "fusion_pass_patterns")
 
 
-def pattern_path(name: str) -> str:
-    """The file of variant ``name`` for this torch and these sources."""
-    key = hashlib.sha256(f"{torch.__version__}\0{source_hash()}\0{name}".encode()).hexdigest()[:20]
+def pattern_path(name: str, signature: str = "") -> str:
+    """The file of variant ``name`` for this torch build, these sources and ``signature`` (what the
+    trace depends on beyond the sources: the example inputs' shapes, dtypes and ``requires_grad``)."""
+    build = f"{torch.__version__}\0{torch.version.git_version}"
+    key = hashlib.sha256(f"{build}\0{source_hash()}\0{name}\0{signature}".encode()).hexdigest()[:20]
     return os.path.join(cache_dir(), f"{name}-{key}.py")
 
 
@@ -60,6 +63,8 @@ class _Printer(PatternPrettyPrinter):
     """
 
     def pretty_print(self, obj):
+        if isinstance(obj, (list, tuple, dict)) and type(obj) not in (list, tuple, dict, immutable_list, immutable_dict):
+            raise TypeError(f"cannot write a {type(obj).__name__} argument into a pattern's source")
         if isinstance(obj, (list, tuple)):
             items = ", ".join(self.pretty_print(x) for x in obj)
             if isinstance(obj, immutable_list):
@@ -109,16 +114,18 @@ def from_source(source: str) -> PatternExpr:
     return namespace["pattern"]
 
 
-def traced_pattern(name: str, trace: Callable[[], PatternExpr]) -> PatternExpr:
-    """Variant ``name``'s pattern: loaded from its file, or ``trace()``d and written there.
+def traced_pattern(name: str, trace: Callable[[], PatternExpr], signature: str = "") -> PatternExpr:
+    """Variant ``name``'s pattern: loaded from its file, or ``trace()``d and written there (files of
+    the same name under other keys, left by other sources or another torch, are removed).
 
     Args:
         name: a name unique among this package's registrations (letters, digits, ``_``).
         trace: traces the pattern (e.g. ``gen_pattern(search_fn, example_inputs, trace_fn, ...)``).
+        signature: what else the trace depends on (``pattern_path``).
     """
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return trace()
-    path = pattern_path(name)
+    path = pattern_path(name, signature)
     try:
         with open(path) as f:
             return from_source(f.read())
@@ -133,6 +140,9 @@ def traced_pattern(name: str, trace: Callable[[], PatternExpr]) -> PatternExpr:
         with open(partial, "w") as f:
             f.write(to_source(pattern) + "\n")
         os.replace(partial, path)  # atomic: a concurrent reader sees the whole file or none
+        for stale in glob.glob(os.path.join(glob.escape(os.path.dirname(path)), f"{name}-*.py")):
+            if stale != path:
+                os.remove(stale)
     except OSError as e:
         log.warning("fusion_pass: could not cache pattern %s at %s: %s", name, path, e)
     return pattern

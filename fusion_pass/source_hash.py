@@ -11,8 +11,8 @@ import pathlib
 
 @functools.lru_cache(maxsize=None)
 def source_hash() -> str:
-    """sha256 (hex) over the name and bytes of every ``*.py`` of fusion_pass, fusion_pass.patterns
-    and fusion_pass.kernels, in sorted order."""
+    """sha256 (hex) over the path (below its package folder) and bytes of every ``*.py`` of fusion_pass,
+    fusion_pass.patterns and fusion_pass.kernels, in sorted order."""
     import fusion_pass
     import fusion_pass.kernels
     import fusion_pass.patterns
@@ -26,6 +26,6 @@ def source_hash() -> str:
     digest = hashlib.sha256()
     for root in sorted(roots):
         for path in sorted(root.rglob("*.py")):
-            digest.update(path.name.encode())
+            digest.update(f"{root.name}/{path.relative_to(root)}".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -702,14 +702,15 @@ def launch_config(
 
     Rule, with or without cos/sin computed in the kernel:
 
-    * ``B x S >= STREAM_FROM_TOKENS`` (concrete): one head per block, ``tokens = NUM_WARPS * 32 *
-      (16 // element_size) // next_pow2(D / 2)`` (one 16-byte vector per lane per half row),
-      ``STREAM_BLOCKS`` blocks per program, ``NUM_WARPS`` warps;
+    * ``B x S >= STREAM_FROM_TOKENS`` and ``S >= tokens`` (concrete): one head per block, ``tokens =
+      NUM_WARPS * 32 * (16 // element_size) // next_pow2(D / 2)`` (one 16-byte vector per lane per
+      half row), ``STREAM_BLOCKS`` blocks per program, ``NUM_WARPS`` warps (a batch of short rows,
+      e.g. batched decode, would leave most of that tile masked);
     * otherwise ``rows = TILE_ELEMENTS // D`` rows (head x token), ``heads = min(next_pow2(Hkv), rows)``,
       ``tokens = min(rows // heads, next_pow2(S))``, one block per program,
       ``num_warps = min(NUM_WARPS, lanes needed for one 16-byte vector each per half row)``. A
-      symbolic B or S takes this tile with ``tokens = rows // heads`` (no guard on the length, so no
-      recompile per length): one kernel then serves decode steps and prefills alike, and this tile
+      symbolic B or S takes this tile (a symbolic S with ``tokens = rows // heads``: no guard on the
+      length, so no recompile per length): one kernel then serves decode steps and prefills alike, and this tile
       is within ~5 % of the streaming one on long prefills (S4096: 68.7 vs 65.3 us) where the
       streaming tile costs decode ~65 % (2.80 vs 1.69 us; H200, session 12).
 
@@ -722,10 +723,11 @@ def launch_config(
         raise TypeError(f"launch_config: unknown overrides {sorted(unknown)}; expected some of {TILE_OVERRIDES}")
     o = {name: overrides.get(name) for name in TILE_OVERRIDES}
     concrete = isinstance(batch, int) and isinstance(seq_len, int)
-    if all(v is None for v in o.values()) and concrete and batch * seq_len >= STREAM_FROM_TOKENS:
-        half_block = triton.next_power_of_2(max(1, head_dim // 2))
+    stream_tokens = max(1, NUM_WARPS * 32 * max(1, 16 // element_size) // triton.next_power_of_2(max(1, head_dim // 2)))
+    if (all(v is None for v in o.values()) and concrete and batch * seq_len >= STREAM_FROM_TOKENS
+            and seq_len >= stream_tokens):
         o.update(heads_per_program=1, num_warps=NUM_WARPS, blocks_per_program=STREAM_BLOCKS,
-                 tokens_per_program=max(1, NUM_WARPS * 32 * max(1, 16 // element_size) // half_block))
+                 tokens_per_program=stream_tokens)
     half_block, heads, tokens, num_warps = _tile(
         kv_heads, seq_len if isinstance(seq_len, int) else None, head_dim, element_size, o["tokens_per_program"],
         o["heads_per_program"], o["num_warps"])

@@ -7,20 +7,23 @@ libdevice's ``cosf``/``sinf`` (what torch's CUDA kernels run) keep a Payne-Hanek
 per call site, even where it never runs. Here, for ``|x| < 2**22``::
 
     k = round(x * 2/pi)                      # fp64: x and k are exact there
-    r = (x - k * PIO2_HI) - k * PIO2_LO      # fp64; k * PIO2_HI is exact (PIO2_HI has 30 bits)
+    r = (x - k * PIO2_HI) - k * PIO2_LO      # fp64; PIO2_HI has 27 significant bits, so k * PIO2_HI
+                                             # and x - k * PIO2_HI are exact (|k| < 2**26)
     sin x, cos x = +-sin r / +-cos r by k mod 4, from fp32 minimax polynomials on [-pi/4, pi/4]
     (Cephes' ``sinf``/``cosf`` coefficients: a few 1e-8 relative error)
 
-Three fp64 operations and 14 fp32 ones give both functions. Against float64 references the results
-are within 2 fp32 ulps (``tests/test_sin_cos.py``); rounded to bf16 they equal torch's rounded
-``cosf``/``sinf`` except where the exact value lies within a few fp32 ulps of a bf16 rounding tie,
-about one value in 10^4 (measured on the CPU, where torch uses its own ``cos``; the H200 figure is in
-``benchmarks/NOTES-forward.md``). The interpreter runs the same code (fp64 through numpy; its
-multiply-adds round twice where the GPU's FMAs round once: at most an fp32 ulp apart).
+A handful of fp64 operations (the product, the floor, two multiply-subtracts) and about 14 fp32 ones
+give both functions. Against float64 the results are within 2 fp32 ulps (``tests/test_sin_cos.py``;
+1.54 measured over 790,951 rotary angles); rounded to bf16 they equal torch's rounded
+``cosf``/``sinf`` except where the exact value lies within a few fp32 ulps of a bf16 rounding tie:
+6e-6 to 8e-6 of the values, one bf16 ulp off (CPU, where torch uses its own ``cos``; the same test
+passed on the H200 against torch's CUDA functions). The interpreter runs the same code (fp64 through
+numpy; its multiply-adds round twice where the GPU's FMAs round once: at most an fp32 ulp apart).
 """
 
 import triton
 import triton.language as tl
+
 
 @triton.jit
 def sin_cos(x):
@@ -29,7 +32,7 @@ def sin_cos(x):
     # without the module-level names around it.
     x64 = x.to(tl.float64)
     k = tl.floor(x64 * 0.6366197723675814 + 0.5)  # 2 / pi
-    # pi/2 = 1.570796325802803 (30 significant bits: k * it is exact for |k| < 2**23) + 9.920935796805404e-10
+    # pi/2 = 1.570796325802803 (27 significant bits: k * it is exact for |k| < 2**26) + 9.920935796805404e-10
     r = ((x64 - k * 1.570796325802803) - k * 9.920935796805404e-10).to(tl.float32)
     quadrant = k.to(tl.int32) & 3
     z = r * r

@@ -581,6 +581,11 @@ class Registration:
         return gen_pattern(self.search, self.example_inputs, _joint_fwd_bwd_static_ints, self.scalars,
                            self.tensor_names)
 
+    def signature(self) -> str:
+        """What the traced pattern depends on beyond the sources (``pattern_cache``'s key)."""
+        inputs = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in self.example_inputs]
+        return repr((inputs, sorted(self.scalars.items()), self.tensor_names))
+
 
 def registrations() -> list[Registration]:
     """Every variant of ``_variants()``, ready to trace and register (under fake mode: see ``register``)."""
@@ -607,6 +612,8 @@ def registrations() -> list[Registration]:
             example_inputs=_example_inputs(structure, bias, dtype, norm_grad, rope_grad, training),
             scalars=scalars, tensor_names=tensor_names,
         ))
+    names = [r.name for r in out]
+    assert len(set(names)) == len(names), "two variants share a name (and a pattern_cache file)"
     return out
 
 
@@ -627,7 +634,7 @@ def register(pass_dict: PatternMatcherPass) -> None:
             extra_check=_counting(r.check, r.name),
             scalar_workaround=r.scalars,
             exclusive_arg_names=r.tensor_names,
-            search_fn_pattern=traced_pattern(f"qkv_rope_qk_norm_{r.name}", r.trace),
+            search_fn_pattern=traced_pattern(f"qkv_rope_qk_norm_{r.name}", r.trace, r.signature()),
         )
 
 

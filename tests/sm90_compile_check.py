@@ -122,7 +122,6 @@ def variants() -> dict:
     out = {}
     for rope_from_positions in (False, True):
         constexprs = dict(HEAD_DIM=128, HALF_BLOCK=64, HEADS_PER_PROGRAM=8, TOKENS_PER_PROGRAM=4, BLOCKS_PER_PROGRAM=1,
-
                           ROPE_FROM_POSITIONS=rope_from_positions, INTERPRETED=False, NORM_STYLE=0,
                           ROPE_FIRST=False, ROTARY_DIM=128,
                           INTERLEAVED=False)

@@ -104,6 +104,34 @@ def test_the_file_is_keyed_by_torch_and_the_sources(tmp_path, monkeypatch):
     source_hash.cache_clear()
     monkeypatch.setattr("fusion_pass.pattern_cache.source_hash", lambda: "edited")
     assert pattern_cache.pattern_path("probe") != path
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert pattern_cache.pattern_path("probe", "other inputs") != path == pattern_cache.pattern_path("probe")
+
+
+def test_a_file_under_another_key_is_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    old = pattern_cache.pattern_path("probe", "old inputs")
+    os.makedirs(os.path.dirname(old), exist_ok=True)
+    with open(old, "w") as f:
+        f.write("pattern = None\n")
+
+    def trace():
+        with _tracing():
+            return qkv_rope_qk_norm.registrations()[0].trace()
+
+    pattern_cache.traced_pattern("probe", trace, "new inputs")
+    assert os.listdir(os.path.dirname(old)) == [os.path.basename(pattern_cache.pattern_path("probe", "new inputs"))]
+
+
+def test_a_container_the_source_cannot_rebuild_is_refused():
+    import collections
+
+    from torch._inductor.pattern_matcher import CallFunction, Ignored
+
+    pair = collections.namedtuple("pair", "a b")
+    with pytest.raises(TypeError, match="pair"):
+        pattern_cache.to_source(CallFunction(torch.ops.aten.cat.default, pair(Ignored(), Ignored())))
 
 
 FRESH_PROCESS = r"""
@@ -133,14 +161,14 @@ def test_a_fresh_process_with_a_warm_cache_registers_in_a_second_and_fuses():
     from fusion_pass import passes
 
     passes._family_pass("qkv_rope_qk_norm")
-    assert all(os.path.exists(pattern_cache.pattern_path(f"qkv_rope_qk_norm_{r.name}"))
+    assert all(os.path.exists(pattern_cache.pattern_path(f"qkv_rope_qk_norm_{r.name}", r.signature()))
                for r in _registrations())
     here = os.path.dirname(os.path.abspath(__file__))
     done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, here], capture_output=True, text=True, cwd=here,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     run = json.loads(done.stdout.strip().splitlines()[-1])
-    assert run["fused"] == 1 and run["registration_s"] < 3.0, run
+    assert run["fused"] == 1 and run["registration_s"] < 8.0, run  # warm: ~1.2 s; traced: 21-38 s
 
 
 def _registrations():

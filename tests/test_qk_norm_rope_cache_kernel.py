@@ -272,6 +272,26 @@ def test_partial_tiles(head_dim, overrides):
     run_and_check(make_case(q_heads=6, kv_heads=2, seq=5, head_dim=head_dim, seed=head_dim), **overrides)
 
 
+def test_the_streaming_tile_as_the_rule_picks_it():
+    """B x S >= STREAM_FROM_TOKENS with no overrides: one head x 128 tokens per block (D = 16),
+    4 blocks per program, a masked tail of q heads (6 = 4 + 2), of tokens (1061 = 8 x 128 + 37)
+    and of cache positions; cos/sin read from tables and computed from positions."""
+    seq = kernel.STREAM_FROM_TOKENS + 37
+    config = kernel.launch_config(1, 6, 2, seq, 16, 2)
+    assert (config.heads_per_program, config.tokens_per_program, config.blocks_per_program) == (1, 128, 4)
+    case = make_case(batch=1, q_heads=6, kv_heads=2, seq=seq, head_dim=16, cache_len=seq + 3, seed=12)
+    run_and_check(case)
+    position_ids = torch.arange(seq, device=DEVICE)[None] * 7
+    inv_freq = inv_freq_for(16)
+    q_out, k_out = torch.empty_like(case["q"]), torch.empty_like(case["k"])
+    k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+    kernel.qk_norm_rope_cache_from_positions_triton(
+        case["q"], case["k"], case["v"], case["q_weight"], case["k_weight"], position_ids, inv_freq, 1.0,
+        case["k_cache"], case["v_cache"], case["cache_position"], EPS_Q, EPS_K, q_out, k_out)
+    cos, sin = kernel.rope_cos_sin_reference(position_ids, inv_freq, 1.0, torch.bfloat16)
+    check_against_reference(case, q_out, k_out, k_before, v_before, MAX_ULPS[torch.bfloat16] + 1, cos=cos, sin=sin)
+
+
 def test_empty_sequence_is_a_no_op():
     case = make_case(seq=0, seed=8)
     q_out, k_out, k_before, v_before = run_kernel(case)
@@ -355,6 +375,12 @@ def test_launch_config_rule():
     decode = kernel.launch_config(4, 96, 8, 1, 128, 2)
     assert (decode.heads_per_program, decode.tokens_per_program, decode.num_warps) == (8, 1, 2)
     assert decode.grid == (1, 14, 4)
+    # Many short rows (batched decode, short chunks) keep the small tile: the streaming tile's
+    # 16 tokens would be mostly masked.
+    for batch, seq in ((1024, 1), (256, 4), (128, 15)):
+        c = kernel.launch_config(batch, 96, 8, seq, 128, 2)
+        assert (c.heads_per_program, c.blocks_per_program) == (8, 1), (batch, seq)
+    assert kernel.launch_config(64, 96, 8, 16, 128, 2).heads_per_program == 1
     # Other head dims and dtypes keep one vector per lane: D 64 -> 32 tokens; fp32 D 128 -> 8.
     assert kernel.launch_config(1, 32, 8, 4096, 64, 2).tokens_per_program == 32
     assert kernel.launch_config(1, 32, 8, 4096, 128, 4).tokens_per_program == 8
@@ -498,8 +524,9 @@ def test_gpu_no_recompile_for_new_seq_lens():
                          positions=list(range(seq)), seed=seq)
         run_kernel(case)
 
-    call(5)
+    call(5)  # the small tile
+    call(2048)  # the streaming tile (>= STREAM_FROM_TOKENS tokens)
     before = _compiled_variants(kernel._qk_norm_rope_cache_kernel)
-    for seq in (4, 16, 293, 541, 1000, 2048):
+    for seq in (4, 16, 293, 541, 1000, 1024, 1500, 4096):
         call(seq)
     assert _compiled_variants(kernel._qk_norm_rope_cache_kernel) == before

@@ -72,9 +72,11 @@ def test_rounded_to_the_model_dtype_almost_always_equals_torchs(dtype):
     tie: at most 1 in 10^4 differ, by one ulp of the model dtype."""
     x = angles()
     s, c = kernel_sin_cos(x)
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
     for got, want in ((s, torch.sin(x)), (c, torch.cos(x))):
         got, want = got.to(dtype), want.to(dtype)
         differ = got != want
-        assert differ.float().mean().item() <= 1e-4
-        step = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
-        assert ((got.float() - want.float()).abs() <= step * 1.0001)[differ].all()
+        assert differ.float().mean().item() <= 1e-4  # measured on the CPU: 6e-6 to 3.4e-5
+        magnitude = torch.maximum(got.float().abs(), want.float().abs()).clamp_min(torch.finfo(dtype).tiny)
+        ulp = torch.exp2(torch.floor(torch.log2(magnitude)) - mantissa)
+        assert ((got.float() - want.float()).abs() <= ulp)[differ].all()
