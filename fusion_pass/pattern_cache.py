@@ -1,16 +1,17 @@
 """Traced search patterns kept on disk between processes.
 
 unfused (before): every process traced each registered variant at its first compile, e.g. the
-training family's 48 forward + backward traces (``joint_fwd_bwd``): 21-33 s on a 2-core CPU,
+training family's 48 forward + backward traces (``joint_fwd_bwd``): 21-38 s on a 2-core CPU,
 before the first training graph could even be matched.
 
 cached: the first process writes each traced pattern as Python source, in the form Inductor ships
 its own pre-traced patterns in (``PatternPrettyPrinter``; ``torch/_inductor/fx_passes/
 serialized_patterns``), to ``<Inductor's cache dir>/fusion_pass_patterns/``; later processes
 execute that source instead of tracing. A file is named by the variant and keyed by torch's
-version and this package's sources (``source_hash``), so a new torch or an edited pattern traces
-afresh; a file that fails to load is traced again and rewritten. ``FUSION_PASS_PATTERN_CACHE=0``
-turns the cache off (every process traces).
+build (version and git commit), this package's sources (``source_hash``) and the variant's example
+inputs, so a new torch, an edited pattern or other example inputs trace afresh (and the variant's
+files under older keys are removed); a file that fails to load is traced again and rewritten.
+``FUSION_PASS_PATTERN_CACHE=0`` turns the cache off (every process traces).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class _Printer(PatternPrettyPrinter):
     """
 
     def pretty_print(self, obj):
-        if isinstance(obj, (list, tuple, dict)) and type(obj) not in (list, tuple, dict, immutable_list, immutable_dict):
+        rebuildable = (list, tuple, dict, immutable_list, immutable_dict)
+        if isinstance(obj, (list, tuple, dict)) and type(obj) not in rebuildable:
             raise TypeError(f"cannot write a {type(obj).__name__} argument into a pattern's source")
         if isinstance(obj, (list, tuple)):
             items = ", ".join(self.pretty_print(x) for x in obj)
@@ -94,7 +96,7 @@ def to_source(pattern: PatternExpr) -> str:
     layout: one line per shared sub-pattern, then the pattern)."""
     printer = _Printer()
     out = pattern.pretty_print(pp=printer)
-    lines = [f"{printer.memoized_objs_names[key]} = {printer.memoized_objs_pp[key]}" for key in printer.memoized_objs_names]
+    lines = [f"{name} = {printer.memoized_objs_pp[obj]}" for obj, name in printer.memoized_objs_names.items()]
     return "\n".join([*lines, f"pattern = {out}"])
 
 

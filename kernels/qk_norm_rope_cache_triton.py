@@ -667,6 +667,11 @@ class LaunchConfig:
 TILE_OVERRIDES = ("tokens_per_program", "heads_per_program", "num_warps", "blocks_per_program")
 
 
+def _vector_elements(element_size: int) -> int:
+    """Elements in one 16-byte access: what one lane loads per half row in both tiles."""
+    return max(1, 16 // element_size)
+
+
 @functools.lru_cache(maxsize=4096)
 def _tile(kv_heads: int, seq_len: int | None, head_dim: int, element_size: int, tokens_per_program: int | None,
           heads_per_program: int | None, num_warps: int | None) -> tuple[int, int, int, int]:
@@ -684,8 +689,8 @@ def _tile(kv_heads: int, seq_len: int | None, head_dim: int, element_size: int, 
     if num_warps is None:
         # At most NUM_WARPS, and no more warps than give every lane one 16-byte vector per half
         # row: a decode tile of 8 heads x 1 token x 64 bf16 takes 2 warps, not 4 half-idle ones.
-        vector = max(1, 16 // element_size)
-        num_warps = min(NUM_WARPS, triton.next_power_of_2(max(1, heads * tokens * half_block // (32 * vector))))
+        num_warps = min(NUM_WARPS, triton.next_power_of_2(
+            max(1, heads * tokens * half_block // (32 * _vector_elements(element_size)))))
     return half_block, heads, tokens, num_warps
 
 
@@ -723,7 +728,8 @@ def launch_config(
         raise TypeError(f"launch_config: unknown overrides {sorted(unknown)}; expected some of {TILE_OVERRIDES}")
     o = {name: overrides.get(name) for name in TILE_OVERRIDES}
     concrete = isinstance(batch, int) and isinstance(seq_len, int)
-    stream_tokens = max(1, NUM_WARPS * 32 * max(1, 16 // element_size) // triton.next_power_of_2(max(1, head_dim // 2)))
+    half_block = triton.next_power_of_2(max(1, head_dim // 2))
+    stream_tokens = max(1, NUM_WARPS * 32 * _vector_elements(element_size) // half_block)
     if (all(v is None for v in o.values()) and concrete and batch * seq_len >= STREAM_FROM_TOKENS
             and seq_len >= stream_tokens):
         o.update(heads_per_program=1, num_warps=NUM_WARPS, blocks_per_program=STREAM_BLOCKS,
