@@ -60,13 +60,14 @@ ROPE_THETA = 10_000_000.0  # Qwen3-Coder-480B-A35B rope_theta
 CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
          (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
 QUICK_CASES = [(1, 2048, 4), (128, 0, 8), (293, 131, 1), (4096, 2048, 1)]
-SWEEP_CASES = [(4096, 2048, 1), (541, 0, 1), (293, 131, 1), (128, 0, 2), (1, 2048, 4)]
+SWEEP_CASES = [(4096, 2048, 1), (2048, 0, 1), (1024, 512, 1), (541, 0, 1), (293, 131, 1), (128, 0, 8), (128, 0, 2),
+               (1, 2048, 4)]
 # Tile overrides of launch_config (TILE_OVERRIDES); {} = the rule. Each runs with cos/sin read from
 # tables and computed from positions, on q/k/v laid out as Hugging Face's transposed views.
 SWEEP_CONFIGS = [{}] + [
-    dict(heads_per_program=1, tokens_per_program=16, num_warps=4, blocks_per_program=n) for n in (2, 4, 8, 12)
-] + [dict(heads_per_program=8, tokens_per_program=t, num_warps=4, blocks_per_program=n)
-     for t, n in ((4, 1), (2, 1), (4, 3))]
+    dict(heads_per_program=1, tokens_per_program=16, num_warps=4, blocks_per_program=n) for n in (2, 8)
+] + [dict(heads_per_program=1, tokens_per_program=16, num_warps=4, blocks_per_program=4, group_major=True)] + [
+    dict(heads_per_program=8, tokens_per_program=t, num_warps=4, blocks_per_program=1) for t in (4, 2)]
 REP_MS = 60
 DEVICE = "cuda"  # a module global so that a CPU dry run can swap it
 K_FILL, V_FILL = 1.5, -2.5  # cache contents before the run; unwritten rows must keep them
@@ -369,6 +370,27 @@ def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: 
     return r
 
 
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def floor_references(seq: int, cached: int, batch: int, floor_us: float) -> list[dict]:
+    """Two sweep rows beside a case's tiles, CUDA-graph replay: ``copy``, a ``copy_`` of the case's
+    bytes (half read, half written) in one contiguous buffer, what the device's own copy does at
+    that size; ``empty kernel``, one program doing nothing, the cost of a launch in a graph."""
+    n = case_bytes(seq, batch) // 4  # bf16 elements per buffer
+    src = torch.randn(n, device=DEVICE).to(DTYPE)
+    dst = torch.empty_like(src)
+    rows = []
+    for name, fn in (("copy", lambda: dst.copy_(src)), ("empty kernel", lambda: _empty_kernel[(1,)](src))):
+        us = bench_graph(fn, rep_ms=30)
+        rows.append(dict(S=seq, C=cached, B=batch, cos_sin=name, tile={}, default=False, graph_us=us,
+                         over_floor=us / floor_us))
+        log(f"  sweep {seq},{cached},{batch} {name}: {us:.2f} us ({us / floor_us:.2f}x floor)")
+    return rows
+
+
 def sweep(copy_tbps: float) -> list[dict]:
     """Tile variants (``SWEEP_CONFIGS``) of the kernel compiled graphs launch (the graph entry, device
     asserts on), with cos/sin read from tables and computed from positions, CUDA-graph replay, on
@@ -389,6 +411,7 @@ def sweep(copy_tbps: float) -> list[dict]:
         q_ref, _ = qk_norm_rope_cache_reference(x["query"], x["key"], x["value"], qw, kw, cos, sin, dummy,
                                                 dummy.clone(), torch.full_like(x["cache_position"], -1), EPS, EPS)
         q_normed = rms_norm_reference(x["query"], qw, EPS)
+        rows += floor_references(seq, cached, batch, floor_us)
         for tile in SWEEP_CONFIGS:
             for cos_sin in ("tables", "positions"):
                 tables = cos_sin == "tables"
@@ -464,11 +487,12 @@ def markdown(result: dict) -> str:
     lines.append("| **mean** | | | " + " | ".join(fmt(m.get(k)) for k in TIME_KEYS) + " | | | |")
     if result.get("sweep"):
         lines += ["", "Launcher sweep (CUDA-graph replay, the graph entry, q/k/v as Hugging Face's transposed views):",
-                  "", "| S | C | B | cos/sin | tokens | heads | warps | blocks per program "
-                  "| µs | / floor | max ulp | default rule |", "|" + "---|" * 12]
+                  "", "| S | C | B | cos/sin | tokens | heads | warps | blocks per program | group major "
+                  "| µs | / floor | max ulp | default rule |", "|" + "---|" * 13]
         for row in result["sweep"]:
             lines.append(f"| {row['S']} | {row['C']} | {row['B']} | {row['cos_sin']} | {row.get('tokens_per_program')} "
                          f"| {row.get('heads_per_program')} | {row.get('num_warps')} | {row.get('blocks_per_program')} "
+                         f"| {row.get('group_major', '')} "
                          f"| {fmt(row.get('graph_us'))} | {fmt(row.get('over_floor'), 2)} | {fmt(row.get('max_ulp'), 1)} | "
                          f"{'yes' if row.get('default') else ''} |")
     errors = [(c["S"], c["C"], c["B"], c["errors"]) for c in result["cases"] if c.get("errors")]

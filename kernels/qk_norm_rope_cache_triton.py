@@ -20,13 +20,14 @@ The kernel is purely memory bound: per token it moves (Hq + Hkv + Hkv) rows in a
 D = 128, bf16); the FLOPs (about 10 per element) are free. So the design goal is to keep
 enough bytes in flight with fully used 16-byte accesses, and nothing else.
 
-* Grid ``(token_blocks, groups, B)``. ``groups`` lists the q groups, then the k groups, then
+* Grid ``(token_blocks, groups, B)``, or (streaming tile) ``(token_blocks x groups, 1, B)`` with
+  a token block's groups consecutive. ``groups`` lists the q groups, then the k groups, then
   the v groups, so one launch covers all three tensors and every program does one kind of
   work: q programs normalize + rotate + store q_out; k programs normalize + rotate + store
   k_out and the k cache rows; v programs copy v into the v cache. A group is
-  ``BLOCKS_PER_PROGRAM`` head blocks of ``HEADS_PER_PROGRAM`` heads (tails masked), done in an
-  unrolled loop (its loads can be issued ahead of the math) over the program's
-  ``TOKENS_PER_PROGRAM`` tokens.
+  ``BLOCKS_PER_PROGRAM`` head blocks of ``HEADS_PER_PROGRAM`` heads (tails masked) of the
+  program's ``TOKENS_PER_PROGRAM`` tokens, in unrolled loops: every block's loads, then each
+  block's math and stores.
 * A block is held as two ``[heads, tokens, D/2]`` fp32 tiles (the two RoPE halves: loading the
   halves separately makes ``rotate_half`` free, and each half-row is a contiguous 128-byte
   segment for D = 128 bf16, i.e. 8 lanes x 16 bytes); the RMS statistic is a reduction over
@@ -35,23 +36,24 @@ enough bytes in flight with fully used 16-byte accesses, and nothing else.
   tables are loaded in the ``[heads, tokens, D/2]`` layout with a zero head stride (each head
   re-reads its token's row from L1), so no shared-memory layout conversion stands between
   the loads and the math (see ``_load_cos_sin``).
-* Tile rule (``launch_config``; H200 sweeps in ``benchmarks/NOTES-forward.md``, session 12):
-  from ``STREAM_FROM_TOKENS`` = 1024 tokens (B x S, static shapes) on, one head per
-  block and as many tokens as give each of 4 warps' lanes one 16-byte vector per half row
-  (16 for D = 128 bf16), 4 blocks per program: cos/sin (read or computed) serve 4 blocks and
-  land in the blocks' own layout, and programs stay small enough to fill the machine in many
-  waves (S = 4096: 256 x 28 programs). Below 1024 tokens that tile leaves SMs idle, and the
-  small tile wins: about ``TILE_ELEMENTS = 4096`` elements, ``min(next_pow2(Hkv), rows)``
-  heads (8 for Qwen3) x the rest in tokens, capped at ``next_pow2(S)`` so decode (S = 1) does
-  not mask away 3/4 of the tile, one block per program; ``num_warps`` is 4, or fewer when the
-  tile has fewer than one 16-byte vector per lane and half row (decode: 8 x 1 x 64 bf16 -> 2
-  warps). Compiled offline for sm_90 (Triton 3.7 + ptxas) the bf16 D = 128 graph kernel takes
-  56 registers in the streaming tile (59 computing cos/sin, which converts their layout once
-  per program) and 56-64 in the small tile, no spills, and every q/k/v/cos/sin access is a
-  16-byte ``ld/st.global.v4``.
+* Tile rule (``launch_config``; H200 sweeps in ``benchmarks/NOTES-forward.md``, sessions 12-13):
+  from ``STREAM_FROM_TOKENS`` = 256 tokens (B x S, static shapes, rows of at least the tile's
+  tokens) on, the streaming tile: one head per block and as many tokens as give each of 4
+  warps' lanes one 16-byte vector per half row (16 for D = 128 bf16), 4 blocks per program,
+  the groups of a token block on consecutive program ids: cos/sin (read or computed) serve 4
+  blocks and land in the blocks' own layout, and programs stay small enough to fill the
+  machine in many waves (S = 4096: 256 x 28 programs). Otherwise (decode, short rows, a
+  symbolic length) the small tile: about ``TILE_ELEMENTS = 4096`` elements,
+  ``min(next_pow2(Hkv), rows)`` heads (8 for Qwen3) x the rest in tokens, capped at
+  ``next_pow2(S)`` so decode (S = 1) does not mask away 3/4 of the tile, one block per
+  program; ``num_warps`` is 4, or fewer when the tile has fewer than one 16-byte vector per
+  lane and half row (decode: 8 x 1 x 64 bf16 -> 2 warps). Compiled offline for sm_90 (Triton
+  3.7 + ptxas) the bf16 D = 128 graph kernel takes 80 registers in the streaming tile (its 8
+  loads in flight; 6 programs per SM) and 64 in the small tile, no spills, and every
+  q/k/v/cos/sin access is a 16-byte ``ld/st.global.v4``.
 * Recompiles: ``seq_len`` is not specialized (``do_not_specialize``) and the only
   shape-dependent constexprs are the tile sizes: at most ``log2(rows / heads) + 2`` tiles (1, 2
-  or 4 tokens for Qwen3 bf16 below 1024 tokens, the streaming tile above): a new S compiles no
+  or 4 tokens for Qwen3 bf16 below 256 tokens, the streaming tile above): a new S compiles no
   new kernel once S >= 4 on either side of the threshold.
 * Offsets: batch, head, token and cache-row indices are widened to int64 before they meet a
   stride, so a cache of [B, 8, 262144, 128] (2^31 elements at B = 8) is addressed correctly.
@@ -145,13 +147,13 @@ from .triton_call import TritonCall, named_args
 TILE_ELEMENTS = 4096
 #: Warps per program.
 NUM_WARPS = 4
-#: Launches of at least this many tokens (B x S, concrete) take the streaming tile: one
-#: head per block, each of ``NUM_WARPS`` warps' lanes one 16-byte vector per half row (16 tokens for
-#: D = 128 bf16), ``STREAM_BLOCKS`` blocks of one tensor per program sharing their cos/sin. Below it
-#: that tile leaves SMs idle (293 tokens of Qwen3-Coder: ~4 programs per SM), and one block of
-#: 8 heads x 4 tokens per program wins. Chosen on the H200's sweeps of 2026-12-02
-#: (``benchmarks/NOTES-forward.md``, session 12).
-STREAM_FROM_TOKENS = 1024
+#: Launches of at least this many tokens (B x S, concrete, rows of at least the tile's tokens) take
+#: the streaming tile: one head per block, each of ``NUM_WARPS`` warps' lanes one 16-byte vector per
+#: half row (16 tokens for D = 128 bf16), ``STREAM_BLOCKS`` blocks of one tensor per program sharing
+#: their cos/sin, a token block's programs consecutive. From 256 tokens on it beats the 8 heads x 4
+#: tokens tile on every case swept on the H200 (S293: 5.1 vs 6.2 us with cos/sin computed, S128 B2:
+#: 4.9 vs 5.7; ``benchmarks/NOTES-forward.md``, session 13).
+STREAM_FROM_TOKENS = 256
 STREAM_BLOCKS = 4
 
 
@@ -419,27 +421,32 @@ def _norm_rope_blocks(
     COS_SHIFT: tl.constexpr, WRITE_CACHE: tl.constexpr,
 ):
     """Norm + RoPE of ``BLOCKS_PER_PROGRAM`` head blocks of q (or k: ``WRITE_CACHE``, which also
-    writes the cache rows), from head block ``first_block`` on, of this program's tokens. The
-    loop is unrolled, so its loads can be issued ahead of the math; cos/sin are read or computed
-    once, in the first block after its loads (their latency, or the angles' arithmetic, overlaps
-    those loads), and reused by the later blocks, which hold the same tokens."""
+    writes the cache rows), from head block ``first_block`` on, of this program's tokens. Every
+    block's loads are issued before the first store: no load can be moved above a store (the
+    pointers may alias), so loading, computing and storing each block in turn keeps one block per
+    program in flight. cos/sin are read or computed once, after those loads (their latency, or the
+    angles' arithmetic, overlaps them), and serve every block (the same tokens)."""
     heads = tl.arange(0, HEADS_PER_PROGRAM)
+    tiles = ()
+    for i in tl.static_range(BLOCKS_PER_PROGRAM):
+        offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
+        ht_mask = (offs_h < heads_total)[:, None] & token_mask[None, :]
+        tiles = tiles + _load_pair_tiles(x_ptr, batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, offs_1,
+                                         offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
+                                         TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+    cos1, cos2, sin1, sin2 = _load_cos_sin(
+        cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, (first_block * HEADS_PER_PROGRAM + heads).to(tl.int64),
+        offs_s64, token_mask, offs_d,
+        rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
+        attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
+    )
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         head_ok = offs_h < heads_total
         ht_mask = head_ok[:, None] & token_mask[None, :]
-        x1, x2 = _load_pair_tiles(x_ptr, batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, offs_1,
-                                  offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
-                                  TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-        if i == 0:
-            cos1, cos2, sin1, sin2 = _load_cos_sin(
-                cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d,
-                rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-                attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
-            )
         out1, out2 = _norm_rope(
-            x1, x2, weight_ptr, offs_1, offs_2, d_mask, rotated, eps, cos1, cos2, sin1, sin2, dtype,
-            HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
+            tiles[2 * i], tiles[2 * i + 1], weight_ptr, offs_1, offs_2, d_mask, rotated, eps, cos1, cos2, sin1,
+            sin2, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
         )
         out1 = out1.to(dtype)
         out2 = out2.to(dtype)
@@ -457,14 +464,21 @@ def _copy_blocks(first_block, v_ptr, v_cache_ptr, kv_heads, batch, offs_s64, pos
                  d_mask3, stride_v_b, stride_v_h, stride_v_s, stride_vc_b, stride_vc_h, stride_vc_l,
                  HALF: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
     """v rows of ``BLOCKS_PER_PROGRAM`` head blocks from ``first_block`` on, copied into the v cache
-    (raw values, no math); rows of skipped positions are not read."""
+    (raw values, no math); rows of skipped positions are not read. Every block is loaded before
+    the first store (see ``_norm_rope_blocks``)."""
     heads = tl.arange(0, HEADS_PER_PROGRAM)
+    tiles = ()
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
         src = v_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_v_b, stride_v_h, stride_v_s, offs_d)
-        v1 = tl.load(src, mask=cache_mask, other=0.0, eviction_policy="evict_first")
-        v2 = tl.load(src + HALF, mask=cache_mask, other=0.0, eviction_policy="evict_first")
+        tiles = tiles + (tl.load(src, mask=cache_mask, other=0.0, eviction_policy="evict_first"),
+                         tl.load(src + HALF, mask=cache_mask, other=0.0, eviction_policy="evict_first"))
+    for i in tl.static_range(BLOCKS_PER_PROGRAM):
+        offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
+        cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
+        v1 = tiles[2 * i]
+        v2 = tiles[2 * i + 1]
         dst = v_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_vc_b, stride_vc_h, stride_vc_l, offs_d)
         tl.store(dst, v1, mask=cache_mask)
         tl.store(dst + HALF, v2, mask=cache_mask)
@@ -496,6 +510,7 @@ def _qk_norm_rope_cache_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr,
+    GROUP_MAJOR: tl.constexpr,
     ROPE_FROM_POSITIONS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr,
@@ -518,13 +533,20 @@ def _qk_norm_rope_cache_kernel(
         k_eps = tl.cast(k_eps, tl.float32)
         attention_scaling = tl.cast(attention_scaling, tl.float32)
 
-    token_block = tl.program_id(0)
-    group = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
-    # Programs (axis 1) do one kind of work each: q groups, then k groups, then v groups, each
-    # group BLOCKS_PER_PROGRAM head blocks of HEADS_PER_PROGRAM heads (tails masked).
+    # Programs do one kind of work each: q groups, then k groups, then v groups, each group
+    # BLOCKS_PER_PROGRAM head blocks of HEADS_PER_PROGRAM heads (tails masked).
     q_groups = (q_heads + HEADS_PER_PROGRAM * BLOCKS_PER_PROGRAM - 1) // (HEADS_PER_PROGRAM * BLOCKS_PER_PROGRAM)
     kv_groups = (kv_heads + HEADS_PER_PROGRAM * BLOCKS_PER_PROGRAM - 1) // (HEADS_PER_PROGRAM * BLOCKS_PER_PROGRAM)
+    if GROUP_MAJOR:
+        # One grid axis, the groups of a token block consecutive: programs running at the same
+        # time cover whole token rows.
+        groups = q_groups + 2 * kv_groups
+        token_block = tl.program_id(0) // groups
+        group = tl.program_id(0) % groups
+    else:
+        token_block = tl.program_id(0)
+        group = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
 
     offs_s = token_block * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
     token_mask = offs_s < seq_len
@@ -614,6 +636,7 @@ def _qk_norm_rope_cache_graph_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr,
+    GROUP_MAJOR: tl.constexpr,
     ROPE_FROM_POSITIONS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr,
@@ -635,7 +658,8 @@ def _qk_norm_rope_cache_graph_kernel(
         STRIDE_VC_B, STRIDE_VC_H, STRIDE_VC_L, stride_cos_b, STRIDE_COS_S, stride_sin_b, STRIDE_SIN_S,
         stride_pos_b, STRIDE_POS_S, STRIDE_CACHE_POSITION,
         Q_EPS, K_EPS, ATTENTION_SCALING,
-        HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM, ROPE_FROM_POSITIONS,
+        HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM, GROUP_MAJOR,
+        ROPE_FROM_POSITIONS,
         INTERPRETED,
         NORM_STYLE, ROPE_FIRST, ROTARY_DIM, INTERLEAVED,
     )
@@ -654,17 +678,19 @@ class LaunchConfig:
     heads_per_program: int  # heads of one block
     tokens_per_program: int
     blocks_per_program: int  # head blocks of one tensor one program does in turn, sharing its cos/sin
+    group_major: bool  # one grid axis, a token block's groups consecutive (else tokens on axis 0)
     num_warps: int
     grid: tuple  # ints, or SymInts for dynamic shapes
 
     def constexprs(self) -> dict:
         """The kernel's tile constexprs."""
         return dict(HALF_BLOCK=self.half_block, HEADS_PER_PROGRAM=self.heads_per_program,
-                    TOKENS_PER_PROGRAM=self.tokens_per_program, BLOCKS_PER_PROGRAM=self.blocks_per_program)
+                    TOKENS_PER_PROGRAM=self.tokens_per_program, BLOCKS_PER_PROGRAM=self.blocks_per_program,
+                    GROUP_MAJOR=self.group_major)
 
 
 #: What ``launch_config`` takes as tuning overrides (tests and sweeps).
-TILE_OVERRIDES = ("tokens_per_program", "heads_per_program", "num_warps", "blocks_per_program")
+TILE_OVERRIDES = ("tokens_per_program", "heads_per_program", "num_warps", "blocks_per_program", "group_major")
 
 
 def _vector_elements(element_size: int) -> int:
@@ -709,8 +735,8 @@ def launch_config(
 
     * ``B x S >= STREAM_FROM_TOKENS`` and ``S >= tokens`` (concrete): one head per block, ``tokens =
       NUM_WARPS * 32 * (16 // element_size) // next_pow2(D / 2)`` (one 16-byte vector per lane per
-      half row), ``STREAM_BLOCKS`` blocks per program, ``NUM_WARPS`` warps (a batch of short rows,
-      e.g. batched decode, would leave most of that tile masked);
+      half row), ``STREAM_BLOCKS`` blocks per program, ``NUM_WARPS`` warps, group major (a batch
+      of short rows, e.g. batched decode, would leave most of that tile masked);
     * otherwise ``rows = TILE_ELEMENTS // D`` rows (head x token), ``heads = min(next_pow2(Hkv), rows)``,
       ``tokens = min(rows // heads, next_pow2(S))``, one block per program,
       ``num_warps = min(NUM_WARPS, lanes needed for one 16-byte vector each per half row)``. A
@@ -719,8 +745,9 @@ def launch_config(
       is within ~5 % of the streaming one on long prefills (S4096: 68.7 vs 65.3 us) where the
       streaming tile costs decode ~65 % (2.80 vs 1.69 us; H200, session 12).
 
-    The grid is (token blocks, q groups + 2 x k/v groups, B), as expressions of B and S when they
-    are symbolic. ``overrides`` (names in ``TILE_OVERRIDES``; tile sizes powers of two) exist for
+    The grid is (token blocks, q groups + 2 x k/v groups, B), or with ``group_major`` (token blocks x
+    groups, 1, B), the groups of a token block consecutive; expressions of B and S when they are
+    symbolic. ``overrides`` (names in ``TILE_OVERRIDES``; tile sizes powers of two) exist for
     tuning sweeps and tests.
     """
     unknown = set(overrides) - set(TILE_OVERRIDES)
@@ -733,15 +760,17 @@ def launch_config(
     if (all(v is None for v in o.values()) and concrete and batch * seq_len >= STREAM_FROM_TOKENS
             and seq_len >= stream_tokens):
         o.update(heads_per_program=1, num_warps=NUM_WARPS, blocks_per_program=STREAM_BLOCKS,
-                 tokens_per_program=stream_tokens)
+                 tokens_per_program=stream_tokens, group_major=True)
     half_block, heads, tokens, num_warps = _tile(
         kv_heads, seq_len if isinstance(seq_len, int) else None, head_dim, element_size, o["tokens_per_program"],
         o["heads_per_program"], o["num_warps"])
     q_blocks, kv_blocks = triton.cdiv(q_heads, heads), triton.cdiv(kv_heads, heads)
     per_program = max(1, min(max(q_blocks, kv_blocks), o["blocks_per_program"] or 1))
     groups = triton.cdiv(q_blocks, per_program) + 2 * triton.cdiv(kv_blocks, per_program)
-    grid = ((seq_len + tokens - 1) // tokens, groups, batch)
-    return LaunchConfig(half_block, heads, tokens, per_program, num_warps, grid)
+    token_blocks = (seq_len + tokens - 1) // tokens
+    group_major = bool(o["group_major"])
+    grid = (token_blocks * groups, 1, batch) if group_major else (token_blocks, groups, batch)
+    return LaunchConfig(half_block, heads, tokens, per_program, group_major, num_warps, grid)
 
 
 def _batch_stride(t: torch.Tensor):

@@ -2,8 +2,8 @@
 
 Run as a script (``python tests/sm90_compile_check.py``) in a process where ``TRITON_INTERPRET`` is
 unset: under the interpreter ``@triton.jit`` functions cannot be compiled. Prints one JSON object:
-``{variant: {"ok": bool, "error": str, "fma_bf16": int, "registers": int, "spill_bytes": int,
-"barriers": int}}``. ``tests/test_kernels_compile_for_sm90.py`` runs it and asserts on the result:
+``{variant: {"ok": bool, "error": str, "fma_bf16": int, "evict_first_loads_before_first_store": int,
+"registers": int, "spill_bytes": int, "barriers": int}}``. ``tests/test_kernels_compile_for_sm90.py`` runs it and asserts on the result:
 a kernel that compiles under the CPU interpreter can still fail Triton's compiler (the interpreter
 does not type-check both branches of an ``if``), and only the real compiler shows whether a rounded
 product was contracted into a bf16 FMA.
@@ -83,9 +83,12 @@ def compile_variant(fn, pointer_types: dict, constexprs: dict, float_args: set, 
     os.unlink(f.name)
     registers = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)
+    first_store = ptx.find("st.global")
     return dict(
         ok=True,
         fma_bf16=_contracted_bf16_fmas(ptx),
+        # q/k/v tiles are loaded evict-first; counted in program order up to the first store.
+        evict_first_loads_before_first_store=len(re.findall(r"ld\.global\.L1::evict_first", ptx[:first_store])),
         registers=int(registers.group(1)) if registers else -1,
         spill_bytes=int(spills.group(1)) if spills else -1,
         barriers=len(re.findall(r"\bbar\.sync\b", ptx)),
@@ -121,7 +124,7 @@ def variants() -> dict:
     bwd_pointers = {"rq_ptr": "*fp32", "rk_ptr": "*fp32", "gw_ws_ptr": "*fp32", "cs_ws_ptr": "*fp32"}
     out = {}
     for rope_from_positions in (False, True):
-        constexprs = dict(HEAD_DIM=128, HALF_BLOCK=64, HEADS_PER_PROGRAM=8, TOKENS_PER_PROGRAM=4, BLOCKS_PER_PROGRAM=1,
+        constexprs = dict(HEAD_DIM=128, HALF_BLOCK=64, HEADS_PER_PROGRAM=8, TOKENS_PER_PROGRAM=4, BLOCKS_PER_PROGRAM=1, GROUP_MAJOR=False,
                           ROPE_FROM_POSITIONS=rope_from_positions, INTERPRETED=False, NORM_STYLE=0,
                           ROPE_FIRST=False, ROTARY_DIM=128,
                           INTERLEAVED=False)
@@ -164,10 +167,10 @@ def variants() -> dict:
     out["forward_graph_bf16_d128"] = (inductor_source(forward._qk_norm_rope_cache_graph_kernel), pointers,
                                       dict(constexprs, **layout, position_ids_ptr=None, inv_freq_ptr=None), set(),
                                       inductor_options)
-    # From 1024 tokens on (``launch_config``'s streaming tile): one head x 16 tokens per block, 4 blocks
+    # From 256 tokens on (``launch_config``'s streaming tile): one head x 16 tokens per block, 4 blocks
     # per program, 4 warps; cos/sin read from tables, or computed from positions (Qwen3-Coder: 96/8 heads).
     streaming = dict({k: v for k, v in out["forward_graph_bf16_d128"][2].items()},
-                     HEADS_PER_PROGRAM=1, TOKENS_PER_PROGRAM=16, BLOCKS_PER_PROGRAM=4, Q_HEADS=96,
+                     HEADS_PER_PROGRAM=1, TOKENS_PER_PROGRAM=16, BLOCKS_PER_PROGRAM=4, GROUP_MAJOR=True, Q_HEADS=96,
                      STRIDE_Q_S=96 * 128, STRIDE_QO_S=96 * 128)
     out["forward_graph_bf16_d128_streaming"] = (out["forward_graph_bf16_d128"][0], pointers, streaming, set(),
                                                inductor_options)

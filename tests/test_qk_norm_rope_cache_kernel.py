@@ -266,6 +266,9 @@ def test_strided_caches_and_outputs_write_nothing_outside():
         # One head per block, several blocks per program, and head counts they do not divide:
         (64, dict(heads_per_program=1, tokens_per_program=4, blocks_per_program=4)),
         (64, dict(heads_per_program=1, tokens_per_program=8, blocks_per_program=5)),
+        # One grid axis, a token block's groups consecutive: the program id splits into both.
+        (64, dict(heads_per_program=1, tokens_per_program=2, blocks_per_program=4, group_major=True)),
+        (64, dict(heads_per_program=2, tokens_per_program=4, group_major=True)),
     ],
 )
 def test_partial_tiles(head_dim, overrides):
@@ -361,16 +364,19 @@ def test_launch_config_rule():
     """Qwen3-Coder-480B (Hq 96, Hkv 8, D 128, bf16), with or without cos/sin computed in the kernel."""
     # From STREAM_FROM_TOKENS tokens on: one head x 16 tokens per block (one 16-byte vector per lane
     # per half row with 4 warps), STREAM_BLOCKS = 4 blocks of one tensor per program:
-    # 96 / 4 = 24 q groups, then 2 k and 2 v groups.
+    # 96 / 4 = 24 q groups, then 2 k and 2 v groups, a token block's 28 groups on consecutive
+    # program ids of grid axis 0.
     big = kernel.launch_config(1, 96, 8, 4096, 128, 2)
     assert (big.heads_per_program, big.tokens_per_program, big.blocks_per_program, big.num_warps) == (1, 16, 4, 4)
-    assert big.grid == (256, 24 + 2 + 2, 1)
+    assert big.group_major and big.constexprs()["GROUP_MAJOR"]
+    assert big.grid == (256 * (24 + 2 + 2), 1, 1)
     at_threshold = kernel.launch_config(8, 96, 8, kernel.STREAM_FROM_TOKENS // 8, 128, 2)
-    assert at_threshold.grid == (kernel.STREAM_FROM_TOKENS // 8 // 16, 28, 8)
-    # Below it: 8 heads x 4 tokens, one block per program, 12 + 1 + 1 groups.
+    assert at_threshold.grid == (kernel.STREAM_FROM_TOKENS // 8 // 16 * 28, 1, 8)
+    # Below it: 8 heads x 4 tokens, one block per program, 12 + 1 + 1 groups on grid axis 1.
     small = kernel.launch_config(1, 96, 8, kernel.STREAM_FROM_TOKENS - 1, 128, 2)
     assert (small.heads_per_program, small.tokens_per_program, small.blocks_per_program, small.num_warps) == (
         8, 4, 1, 4)
+    assert not small.group_major
     assert small.grid == (kernel.STREAM_FROM_TOKENS // 4, 14, 1)
     decode = kernel.launch_config(4, 96, 8, 1, 128, 2)
     assert (decode.heads_per_program, decode.tokens_per_program, decode.num_warps) == (8, 1, 2)
@@ -385,15 +391,15 @@ def test_launch_config_rule():
     assert kernel.launch_config(1, 32, 8, 4096, 64, 2).tokens_per_program == 32
     assert kernel.launch_config(1, 32, 8, 4096, 128, 4).tokens_per_program == 8
     # A head count the blocks do not divide: a masked tail group (Hq 6 -> 2 q groups of 4).
-    assert kernel.launch_config(1, 6, 2, 4096, 128, 2).grid == (256, 2 + 1 + 1, 1)
+    assert kernel.launch_config(1, 6, 2, 4096, 128, 2).grid == (256 * (2 + 1 + 1), 1, 1)
     # Overrides win over the rule.
     tuned = kernel.launch_config(1, 96, 8, 4096, 128, 2, tokens_per_program=4)
     assert (tuned.heads_per_program, tuned.tokens_per_program, tuned.blocks_per_program) == (8, 4, 1)
     # No new constexpr configuration for a new S once S >= 4 within either tile
     # (seq_len itself is not specialized).
     constexprs = {
-        (c.half_block, c.heads_per_program, c.tokens_per_program, c.blocks_per_program, c.num_warps)
-        for s in (4, 5, 128, 293, 541, 1023, 1024, 4096, 100000)
+        (c.half_block, c.heads_per_program, c.tokens_per_program, c.blocks_per_program, c.num_warps, c.group_major)
+        for s in (4, 5, 128, 255, 256, 293, 541, 1024, 4096, 100000)
         for c in [kernel.launch_config(1, 96, 8, s, 128, 2)]
     }
     assert len(constexprs) == 2
