@@ -12,6 +12,11 @@ build (version and git commit), this package's sources (``source_hash``) and the
 inputs, so a new torch, an edited pattern or other example inputs trace afresh (and the variant's
 files under older keys are removed); a file that fails to load is traced again and rewritten.
 ``FUSION_PASS_PATTERN_CACHE=0`` turns the cache off (every process traces).
+
+Given a pre-traced pattern, ``register_replacement`` skips its match-time re-trace of the search
+function with the graph's own shapes, the step that checks every int (slice bounds, view sizes)
+the traced pattern leaves open. A family that relies on it wraps its check in ``retraced_check``,
+which does that re-trace as ``register_replacement`` does it without a pre-traced pattern.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import inspect
+import itertools
 import logging
 import operator
 import os
@@ -26,7 +33,8 @@ from typing import Callable
 
 import torch
 from torch._inductor import pattern_matcher
-from torch._inductor.pattern_matcher import PatternExpr, PatternPrettyPrinter, _TargetArgsExpr
+from torch._inductor.pattern_matcher import Match, PatternExpr, PatternPrettyPrinter, _TargetArgsExpr, fx_to_pattern, is_match
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from .source_hash import source_hash
@@ -148,3 +156,60 @@ def traced_pattern(name: str, trace: Callable[[], PatternExpr], signature: str =
     except OSError as e:
         log.warning("fusion_pass: could not cache pattern %s at %s: %s", name, path, e)
     return pattern
+
+
+def retraced_check(search_fn: Callable, trace_fn: Callable, scalar_workaround: dict, exclusive_arg_names: tuple,
+                   extra_check: Callable[[Match], bool]) -> Callable[[Match], bool]:
+    """``extra_check`` behind the match-time re-trace that ``register_replacement`` skips when given a
+    pre-traced pattern (``search_fn_pattern``): ``search_fn`` traced with ``trace_fn`` on the matched
+    values' shapes, strides and dtypes (sizes that are SymInts become inputs of the trace, as
+    Inductor does it), must match at the same output node; then ``extra_check`` decides on that
+    match. Patterns with every int checked this way need no check of their own for them.
+
+    Args:
+        search_fn, trace_fn, scalar_workaround, exclusive_arg_names: as given to ``register_replacement``
+            (``search_fn``'s parameters are flat: tensors and scalars).
+        extra_check: the registration's own check.
+    """
+    argnames = list(inspect.signature(search_fn).parameters)
+
+    def check(match: Match) -> bool:
+        args = list(torch.fx.map_arg([match.kwargs[name] for name in argnames], lambda node: node.meta["val"]))
+        fake_mode = torch._dynamo.utils.detect_fake_mode(args)
+        sym_args: list = []
+        with fake_mode:
+            for i, arg in enumerate(args):
+                if isinstance(arg, torch.Tensor):
+                    args[i] = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
+                    for v in itertools.chain(args[i].shape, args[i].stride()):
+                        if isinstance(v, torch.SymInt) and all(statically_known_true(v != a) for a in sym_args):
+                            sym_args.append(v)
+            try:
+                if sym_args:
+                    # The sizes as leading inputs (Inductor's way): make_fx would otherwise dedupe their
+                    # size queries into the pattern, where the real graph's users differ.
+                    def search_with_sizes(*args_and_sizes):
+                        return search_fn(*args_and_sizes[len(sym_args):])
+
+                    graph = trace_fn(search_with_sizes, sym_args + args)
+                    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+                    names = [p.target for p in placeholders[:len(sym_args)]]
+                    for placeholder, name in zip(placeholders[len(sym_args):], argnames):
+                        with graph.graph.inserting_after(placeholder):
+                            renamed = graph.graph.placeholder(name)
+                        renamed.target = renamed.name
+                        placeholder.replace_all_uses_with(renamed)
+                        graph.graph.erase_node(placeholder)
+                    names += argnames
+                else:
+                    graph = trace_fn(search_fn, args)
+                    names = argnames
+            except RuntimeError as e:
+                log.debug("fusion_pass: re-trace of %s failed: %s", getattr(search_fn, "__name__", search_fn), e)
+                return False
+            specific = fx_to_pattern(graph, argnames=names, exclusive_arg_names=exclusive_arg_names,
+                                     scalar_workaround=scalar_workaround)
+        specific_match = specific.match(match.output_nodes()[0])
+        return is_match(specific_match) and extra_check(specific_match)
+
+    return check

@@ -246,6 +246,7 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import (
     weight_first_fp32_rms_norm_reference,
 )
 from fusion_pass.matching import apply_first_to_last
+from fusion_pass.pattern_cache import retraced_check, traced_pattern
 from fusion_pass.patterns.canonical_forms import canonicalize
 from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
 
@@ -676,18 +677,40 @@ def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
     return gm
 
 
+_SCALARS = {"q_eps": _Q_EPS_EXAMPLE, "k_eps": _K_EPS_EXAMPLE}
+_EXCLUSIVE = ("q", "k", "v", "k_cache", "v_cache")
+
+
+def variant_name(variant: Variant) -> str:
+    """The variant's fields in one identifier (``pattern_cache``'s file name)."""
+    return "_".join(str(int(v)) if isinstance(v, bool) else str(v) for v in dataclasses.astuple(variant))
+
+
+def _signature(example_inputs: list) -> str:
+    """What a variant's traced pattern depends on beyond the sources (``pattern_cache``'s key)."""
+    return repr([(tuple(t.shape), t.stride(), str(t.dtype)) for t in example_inputs])
+
+
 def register(pass_dict) -> None:
-    """Register every variant of this fusion into ``pass_dict`` (a ``PatternMatcherPass``)."""
+    """Register every variant of this fusion into ``pass_dict`` (a ``PatternMatcherPass``): its
+    pattern loaded from ``pattern_cache`` (traced in the first process), and checked at match time
+    by the re-trace with the graph's shapes (``retraced_check``), then by ``_check``."""
     for variant in VARIANTS:
+        search, example_inputs = _search(variant), _example_inputs(variant)
         register_replacement(
-            _search(variant),
+            search,
             _replace(variant),
-            _example_inputs(variant),
+            example_inputs,
             _trace,
             pass_dict,
-            extra_check=functools.partial(_check, variant=variant),
-            scalar_workaround={"q_eps": _Q_EPS_EXAMPLE, "k_eps": _K_EPS_EXAMPLE},
-            exclusive_arg_names=("q", "k", "v", "k_cache", "v_cache"),
+            extra_check=retraced_check(search, _trace, _SCALARS, _EXCLUSIVE,
+                                       functools.partial(_check, variant=variant)),
+            scalar_workaround=_SCALARS,
+            exclusive_arg_names=_EXCLUSIVE,
+            search_fn_pattern=traced_pattern(
+                f"qk_norm_rope_cache_{variant_name(variant)}",
+                functools.partial(gen_pattern, search, example_inputs, _trace, _SCALARS, _EXCLUSIVE),
+                _signature(example_inputs)),
         )
 
 
@@ -752,8 +775,8 @@ def _near_miss_pass():
     # forms whose graph then has a copy) on the transposed view of [B, S, H, D].
     # An fp32 model traces the same norm without its casts: matched apart, to say why it is left.
     placements = ((True, False), (False, False), (False, True))
-    for norm, (norm_before_transpose, strided), dtype in itertools.product(
-            NORM_FORMS.values(), placements, (torch.bfloat16, torch.float32)):
+    for (name, norm), (norm_before_transpose, strided), dtype in itertools.product(
+            NORM_FORMS.items(), placements, (torch.bfloat16, torch.float32)):
         if strided and not norm.copies_strided_input:
             continue
         t = functools.partial(torch.empty, dtype=dtype)
@@ -762,8 +785,11 @@ def _near_miss_pass():
             example[0] = t(2, 8, 4, 16).transpose(1, 2) if strided else t(2, 4, 8, 16)
         if not norm.weighted:
             del example[1]
-        pattern = gen_pattern(norm_rope(norm, norm_before_transpose), example, fwd_only,
-                              scalar_workaround={"eps": _Q_EPS_EXAMPLE})
+        pattern = traced_pattern(
+            f"qk_norm_rope_cache_near_miss_{name}_{int(norm_before_transpose)}_{int(strided)}_{str(dtype)[6:]}",
+            functools.partial(gen_pattern, norm_rope(norm, norm_before_transpose), example, fwd_only,
+                              {"eps": _Q_EPS_EXAMPLE}),
+            _signature(example))
 
         def allowed(match, fp32=dtype == torch.float32):
             x = _val(match, "x")
@@ -777,8 +803,10 @@ def _near_miss_pass():
         return rms_norm_reference(rope_reference(x, cos, sin), weight, eps)
 
     t = functools.partial(torch.empty, dtype=torch.bfloat16)
-    pattern = gen_pattern(rope_norm, [t(2, 4, 8, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)], fwd_only,
-                          scalar_workaround={"eps": _Q_EPS_EXAMPLE})
+    example = [t(2, 4, 8, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)]
+    pattern = traced_pattern("qk_norm_rope_cache_near_miss_rope_first",
+                             functools.partial(gen_pattern, rope_norm, example, fwd_only, {"eps": _Q_EPS_EXAMPLE}),
+                             _signature(example))
     register_graph_pattern(
         pattern, pass_dict=near_misses,
         extra_check=lambda match: fusion_config.device_allowed(_val(match, "x").device),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile_capture import eager, fused_count, run_fused
+from compile_capture import assert_left_unfused, eager, fused_count, run_fused
 from qwen3_style import make_inputs
 
 
@@ -110,3 +110,16 @@ def test_equivalent_spellings_fuse_and_equal_eager(norm, rotation):
     assert fused_count() == 1
     assert torch.equal(q_out, q_ref)
     assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+def rotate_by_a_quarter(x):
+    """Not rotate_half: the same ops (two slices, a negation, a cat) at other bounds."""
+    x1, x2 = x[..., : x.shape[-1] // 4], x[..., x.shape[-1] // 4:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def test_a_rotation_that_differs_from_rotate_half_only_in_its_ints_is_left_unfused():
+    """The patterns are loaded pre-traced with their ints left open; the match-time re-trace with
+    the graph's shapes (``pattern_cache.retraced_check``) is what tells these slice bounds apart."""
+    torch.manual_seed(0)
+    assert_left_unfused(SpelledPrologue(rms_norm_qwen3, rotate_by_a_quarter).to(torch.bfloat16), list(make_inputs()))
