@@ -43,6 +43,16 @@ from .triton_device import triton_applicable
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def output_dtype(q: torch.Tensor, q_weight: torch.Tensor | None, norm: str = "weight") -> torch.dtype:
+    """dtype of q_out/k_out (and of cos/sin and the k cache): q's, except Qwen3's ``weight *
+    n.to(dtype)`` with an fp32 weight over a half-precision q, whose product promotes to fp32
+    (a bf16 ``torch.autocast`` region over an fp32 model: the projections run in bf16, the norm's
+    weight stays fp32, and so do RoPE and the k cache after it)."""
+    if norm == "weight" and q_weight is not None:
+        return torch.promote_types(q.dtype, q_weight.dtype)
+    return q.dtype
+
+
 def check_qk_norm_rope_cache_args(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,11 +67,13 @@ def check_qk_norm_rope_cache_args(
     norm: str = "weight",
     rotary_dim: int | None = None,
     interleaved: bool = False,
+    rope_first: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the first argument that breaks the op's contract.
 
-    ``q_weight``/``k_weight`` are [D] tensors of q's dtype (or fp32 for ``norm="fp32_weight"``),
-    or None exactly when ``norm`` is ``"no_weight"``. cos/sin are ``rotary_dim`` wide (D when
+    ``q_weight``/``k_weight`` are [D] tensors of q's dtype (or fp32 for ``norm="fp32_weight"``, and
+    for ``"weight"``, whose outputs are then fp32: ``output_dtype``), or None exactly when ``norm`` is
+    ``"no_weight"``. cos/sin and k_cache have the outputs' dtype, v_cache v's. cos/sin are ``rotary_dim`` wide (D when
     None); a partial ``rotary_dim`` is a multiple of 16 below a head_dim that is one too (the
     kernel's pass-through features then lie in 16-byte aligned runs).
     ``interleaved`` (GPT-J pairs) takes the same cos/sin and uses entry i for pair i.
@@ -102,8 +114,16 @@ def check_qk_norm_rope_cache_args(
         # (``nn.RMSNorm`` kept in fp32 in a bf16 model); the other forms round against q's dtype.
         if norm == "fp32_weight" and w.dtype not in (q.dtype, torch.float32):
             fail(name, f"q's dtype {q.dtype} or torch.float32 (norm='fp32_weight')", w.dtype)
-        if norm != "fp32_weight" and w.dtype != q.dtype:
+        if norm == "weight" and w.dtype not in (q.dtype, torch.float32):
+            fail(name, f"q's dtype {q.dtype} or torch.float32 (norm='weight')", w.dtype)
+        if norm not in ("fp32_weight", "weight") and w.dtype != q.dtype:
             fail(name, f"q's dtype {q.dtype}", w.dtype)
+    if len(weights) == 2 and weights[0][1].dtype != weights[1][1].dtype:
+        fail("k_weight", f"q_weight's dtype {weights[0][1].dtype}", weights[1][1].dtype)
+    out_dtype = output_dtype(q, q_weight, norm)
+    if out_dtype != q.dtype and rope_first:
+        fail("rope_first", f"False with {out_dtype} weights over {q.dtype} q (mixed precision, RoPE after the norm)",
+             rope_first)
     rotary = head_dim if rotary_dim is None else rotary_dim
     if rotary_dim is not None and rotary_dim != head_dim:
         if not 0 < rotary_dim < head_dim or rotary_dim % 16 or head_dim % 16:
@@ -115,15 +135,15 @@ def check_qk_norm_rope_cache_args(
         if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != rotary:
             width = f"D={head_dim}" if rotary_dim is None else f"rotary_dim={rotary}"
             fail(name, f"shape [1 or B={batch}, S={seq}, {width}]", f"shape {tuple(t.shape)}")
-        if t.dtype != q.dtype:
-            fail(name, f"q's dtype {q.dtype}", t.dtype)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != out_dtype:
+            fail(name, f"the outputs' dtype {out_dtype}", t.dtype)
+    for name, cache, want in (("k_cache", k_cache, out_dtype), ("v_cache", v_cache, v.dtype)):
         if cache.dim() != 4 or cache.shape[0] != batch or cache.shape[1] != kv_heads or cache.shape[3] != head_dim:
             fail(name, f"shape [B={batch}, Hkv={kv_heads}, L, D={head_dim}]", f"shape {tuple(cache.shape)}")
         if cache.shape[2] < seq:
             fail(name, f"a cache length L >= S={seq} (the cache is too short)", cache.shape[2])
-        if cache.dtype != k.dtype:
-            fail(name, f"k's dtype {k.dtype}", cache.dtype)
+        if cache.dtype != want:
+            fail(name, f"{'the outputs' if name == 'k_cache' else 'v'}' dtype {want}", cache.dtype)
     if v_cache.shape[2] != k_cache.shape[2]:  # the kernel bounds both writes by one length
         fail("v_cache", f"k_cache's length L={k_cache.shape[2]}", v_cache.shape[2])
     if cache_position.dim() != 1 or cache_position.shape[0] != seq:
@@ -233,7 +253,7 @@ def qk_norm_rope_cache(
         (q_rotated [B, Hq, S, D], k_rotated [B, Hkv, S, D]) with q's and k's strides.
     """
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm,
-                                  rotary_dim, interleaved)
+                                  rotary_dim, interleaved, rope_first)
     check_positions_in_cache(cache_position, k_cache.shape[2], "cache_position")
     return _run_checked(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, norm,
                         rope_first, rotary_dim, interleaved)
@@ -246,7 +266,8 @@ def _run_checked(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_
     if triton_applicable(q):
         from .qk_norm_rope_cache_triton import qk_norm_rope_cache_triton
 
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        dtype = output_dtype(q, q_weight, norm)
+        q_out, k_out = torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
         qk_norm_rope_cache_triton(
             q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
             norm=norm, rope_first=rope_first, rotary_dim=rotary_dim, interleaved=interleaved,
@@ -430,7 +451,7 @@ def _eps_value(eps: torch.Tensor, name: str) -> float:
 def _with_layout_of(template: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if value.stride() == template.stride():
         return value
-    out = torch.empty_like(template)
+    out = torch.empty_like(template, dtype=value.dtype)
     out.copy_(value)
     return out
 
@@ -439,8 +460,9 @@ def _fake(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_positio
           rope_first=False, rotary_dim=None, interleaved=False):
     """Shapes for tracing (both overloads): the checks run at compile time too."""
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm,
-                                  rotary_dim, interleaved)
-    return torch.empty_like(q), torch.empty_like(k)
+                                  rotary_dim, interleaved, rope_first)
+    dtype = output_dtype(q, q_weight, norm)
+    return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
 
 
 def _fake_paged(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping, q_eps, k_eps,
@@ -448,7 +470,8 @@ def _fake_paged(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, s
     """Shapes for tracing the paged op (both overloads)."""
     check_qk_norm_rope_paged_cache_args(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping,
                                         norm, rotary_dim, interleaved)
-    return torch.empty_like(q), torch.empty_like(k)
+    dtype = output_dtype(q, q_weight, norm)
+    return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
 
 
 torch.library.register_fake("fusion_pass::qk_norm_rope_cache", _fake, lib=_LIB)

@@ -264,12 +264,14 @@ def _load_cos_sin(
 
 
 @triton.jit
-def _weighted(normed, w, dtype: tl.constexpr, NORM_STYLE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _weighted(normed, w, in_dtype: tl.constexpr, dtype: tl.constexpr, NORM_STYLE: tl.constexpr,
+              INTERPRETED: tl.constexpr):
     """The fp32 normalized half tile times its weight half, rounded where the model rounds
-    (``NORM_STYLES[NORM_STYLE]``, see ``qk_norm_rope_cache_reference``)."""
+    (``NORM_STYLES[NORM_STYLE]``, see ``qk_norm_rope_cache_reference``); ``in_dtype``: the input's,
+    ``dtype``: the output's (they differ only for style 0 with an fp32 weight: ``output_dtype``)."""
     if NORM_STYLE == 0:
-        # "weight" (Qwen3RMSNorm): ``weight * n.to(dtype)``: the row rounded, then the product.
-        return round_to(w * round_to(normed, dtype, INTERPRETED), dtype, INTERPRETED)
+        # "weight" (Qwen3RMSNorm): ``weight * n.to(input dtype)``: the row rounded, then the product.
+        return round_to(w * round_to(normed, in_dtype, INTERPRETED), dtype, INTERPRETED)
     elif NORM_STYLE == 1:
         # "fp32_weight" (torch.nn.RMSNorm): ``(n * weight).to(dtype)``: fp32 product, one rounding.
         return round_to(normed * w, dtype, INTERPRETED)
@@ -284,7 +286,7 @@ def _weighted(normed, w, dtype: tl.constexpr, NORM_STYLE: tl.constexpr, INTERPRE
 @triton.jit
 def _rms_norm(
     x1, x2, weight_ptr, offs_d, offs_2, d_mask, eps,
-    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr, SECOND_OFFSETS: tl.constexpr,
 ):
     """RMSNorm of a ``[heads, tokens, D/2]`` pair of fp32 half tiles (values of the model dtype).
@@ -311,8 +313,8 @@ def _rms_norm(
         rstd = tl.rsqrt(mean_square + eps)
     else:
         rstd = libdevice.rsqrt(mean_square + eps)
-    y1 = _weighted(x1 * rstd[:, :, None], w1, dtype, NORM_STYLE, INTERPRETED)
-    y2 = _weighted(x2 * rstd[:, :, None], w2, dtype, NORM_STYLE, INTERPRETED)
+    y1 = _weighted(x1 * rstd[:, :, None], w1, in_dtype, dtype, NORM_STYLE, INTERPRETED)
+    y2 = _weighted(x2 * rstd[:, :, None], w2, in_dtype, dtype, NORM_STYLE, INTERPRETED)
     return y1, y2
 
 
@@ -349,7 +351,7 @@ def _partial_rope(y1, y2, cos1, cos2, sin1, sin2, rotated, dtype: tl.constexpr, 
 @triton.jit
 def _norm_rope(
     x1, x2, weight_ptr, offs_d, offs_2, d_mask, rotated, eps, cos1, cos2, sin1, sin2,
-    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
+    in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
     NORM_STYLE: tl.constexpr, ROPE_FIRST: tl.constexpr, PARTIAL: tl.constexpr, SECOND_OFFSETS: tl.constexpr,
 ):
     """RMSNorm then rotate_half RoPE (``ROPE_FIRST``: RoPE, then the norm of the rotated rows,
@@ -361,11 +363,11 @@ def _norm_rope(
     """
     if ROPE_FIRST:
         r1, r2 = _partial_rope(x1, x2, cos1, cos2, sin1, sin2, rotated, dtype, INTERPRETED, PARTIAL)
-        out1, out2 = _rms_norm(r1, r2, weight_ptr, offs_d, offs_2, d_mask, eps, dtype, HEAD_DIM, HALF, INTERPRETED,
-                               NORM_STYLE, SECOND_OFFSETS)
+        out1, out2 = _rms_norm(r1, r2, weight_ptr, offs_d, offs_2, d_mask, eps, dtype, dtype, HEAD_DIM, HALF,
+                               INTERPRETED, NORM_STYLE, SECOND_OFFSETS)
     else:
-        y1, y2 = _rms_norm(x1, x2, weight_ptr, offs_d, offs_2, d_mask, eps, dtype, HEAD_DIM, HALF, INTERPRETED,
-                           NORM_STYLE, SECOND_OFFSETS)
+        y1, y2 = _rms_norm(x1, x2, weight_ptr, offs_d, offs_2, d_mask, eps, in_dtype, dtype, HEAD_DIM, HALF,
+                           INTERPRETED, NORM_STYLE, SECOND_OFFSETS)
         out1, out2 = _partial_rope(y1, y2, cos1, cos2, sin1, sin2, rotated, dtype, INTERPRETED, PARTIAL)
     return out1, out2
 
@@ -446,7 +448,8 @@ def _norm_rope_blocks(
         ht_mask = head_ok[:, None] & token_mask[None, :]
         out1, out2 = _norm_rope(
             tiles[2 * i], tiles[2 * i + 1], weight_ptr, offs_1, offs_2, d_mask, rotated, eps, cos1, cos2, sin1,
-            sin2, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS,
+            sin2, x_ptr.dtype.element_ty, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL,
+            SECOND_OFFSETS,
         )
         out1 = out1.to(dtype)
         out2 = out2.to(dtype)

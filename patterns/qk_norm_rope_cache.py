@@ -227,6 +227,7 @@ from fusion_pass import match_report
 from fusion_pass.kernels.qk_norm_rope_cache_op import (
     check_qk_norm_rope_cache_args,
     check_qk_norm_rope_paged_cache_args,
+    output_dtype,
     paged_cache_rows,
     unsupported_reason,
 )
@@ -516,7 +517,8 @@ def _kernel_in_graph(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_
     """CUDA: the Triton kernel itself as a node of the graph (``TritonCall.in_graph``), so that
     Inductor's wrapper launches it and re-inplaces the caches; every launch parameter (tile,
     grid, strides) is fixed here, at trace time, from the matched values."""
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    dtype = output_dtype(q, q_weight, variant.norm_form.style)
+    q_out, k_out = torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
     if statically_known_true(q.numel() == 0) and statically_known_true(k.numel() == 0):
         return q_out, k_out, k_cache, v_cache
     storage = {}
@@ -617,9 +619,10 @@ def _check(match: Match, variant: Variant) -> bool:
     reason = _aliasing_reason(match)
     try:
         if reason is None:
+            order = {} if variant.paged else dict(rope_first=variant.rope_first)
             check(q, k, v, _val(match, "q_weight"), _val(match, "k_weight"), cos, sin, _val(match, "k_cache"),
                   _val(match, "v_cache"), _val(match, "cache_position"), variant.norm_form.style,
-                  cos.shape[-1] if variant.partial_rope else None, variant.interleaved)
+                  cos.shape[-1] if variant.partial_rope else None, variant.interleaved, **order)
             reason = unsupported_reason(q.shape[-1], q.dtype)
     except ValueError as error:
         reason = re.sub(r"^fusion_pass\.qk_norm_rope_(paged_)?cache: ", "", str(error))

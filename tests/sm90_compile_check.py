@@ -143,6 +143,12 @@ def variants() -> dict:
         out[f"forward_bf16_d128_{suffix}"] = (
             forward._qk_norm_rope_cache_kernel, fwd_pointers, dict(out["forward_bf16_d128"][2], **change), fwd_floats,
             dict(num_warps=4))
+    # A bf16 autocast region over an fp32 model: bf16 q/k/v, fp32 weights, tables, outputs and k cache.
+    out["forward_bf16_d128_autocast_fp32_outputs"] = (
+        forward._qk_norm_rope_cache_kernel,
+        dict(fwd_pointers, q_weight_ptr="*fp32", k_weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
+             q_out_ptr="*fp32", k_out_ptr="*fp32", k_cache_ptr="*fp32"),
+        out["forward_bf16_d128"][2], fwd_floats, dict(num_warps=4))
     # nn.RMSNorm with its weight kept in fp32 in a bf16 model.
     out["forward_bf16_d128_norm_fp32_weight_f32_weights"] = (
         forward._qk_norm_rope_cache_kernel, dict(fwd_pointers, q_weight_ptr="*fp32", k_weight_ptr="*fp32"),

@@ -41,6 +41,7 @@ VARIANTS = [
     "forward_bf16_d128", "forward_bf16_d128_from_positions", "forward_bf16_d128_norm_fp32_weight",
     "forward_bf16_d128_norm_fp32_one_plus_weight", "forward_bf16_d128_norm_no_weight", "forward_bf16_d128_rope_first",
     "forward_bf16_d128_norm_fp32_weight_f32_weights", "forward_bf16_d128_partial_rotary_64", "forward_bf16_d128_interleaved",
+    "forward_bf16_d128_autocast_fp32_outputs",
     "backward_elementwise_bf16_d128",
     "backward_elementwise_bf16_d128_with_grads", "backward_finish_w1_cs1", "backward_finish_w1_cs0",
     "backward_finish_w0_cs1",

@@ -196,7 +196,10 @@ def test_op_norm_styles_round_differently():
         (dict(norm="no_weight"), "q_weight", "None"),
         (dict(q_weight=None), "q_weight", "a tensor for norm='weight'"),
         (dict(norm="fp32_weight", k_weight=None), "k_weight", "a tensor for norm='fp32_weight'"),
-        (lambda a: dict(a, q_weight=a["q_weight"].float()), "q_weight", "q's dtype torch.bfloat16, got"),
+        (lambda a: dict(a, q_weight=a["q_weight"].half()), "q_weight",
+         r"q's dtype torch.bfloat16 or torch.float32 \(norm='weight'\)"),
+        # an fp32 q_weight is mixed precision (``output_dtype``), and then so must be k's
+        (lambda a: dict(a, q_weight=a["q_weight"].float()), "k_weight", "q_weight's dtype torch.float32"),
         (lambda a: dict(a, norm="fp32_weight", k_weight=a["k_weight"].half()), "k_weight",
          r"q's dtype torch.bfloat16 or torch.float32 \(norm='fp32_weight'\)"),
     ],
