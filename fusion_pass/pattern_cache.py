@@ -52,9 +52,15 @@ def cache_dir() -> str:
     return os.path.join(inductor_cache_dir(), "fusion_pass_patterns")
 
 
+def inputs_signature(example_inputs: list) -> str:
+    """The part of a ``signature`` that the example inputs give: each one's shape, strides, dtype
+    and ``requires_grad`` (a trace can depend on every one of them)."""
+    return repr([(tuple(t.shape), t.stride(), str(t.dtype), t.requires_grad) for t in example_inputs])
+
+
 def pattern_path(name: str, signature: str = "") -> str:
     """The file of variant ``name`` for this torch build, these sources and ``signature`` (what the
-    trace depends on beyond the sources: the example inputs' shapes, dtypes and ``requires_grad``)."""
+    trace depends on beyond the sources: ``inputs_signature`` and any other argument of the trace)."""
     build = f"{torch.__version__}\0{torch.version.git_version}"
     key = hashlib.sha256(f"{build}\0{source_hash()}\0{name}\0{signature}".encode()).hexdigest()[:20]
     return os.path.join(cache_dir(), f"{name}-{key}.py")

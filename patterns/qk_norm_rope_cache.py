@@ -247,7 +247,7 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import (
     weight_first_fp32_rms_norm_reference,
 )
 from fusion_pass.matching import apply_first_to_last
-from fusion_pass.pattern_cache import retraced_check, traced_pattern
+from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
 from fusion_pass.patterns.canonical_forms import canonicalize
 from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
 
@@ -689,11 +689,6 @@ def variant_name(variant: Variant) -> str:
     return "_".join(str(int(v)) if isinstance(v, bool) else str(v) for v in dataclasses.astuple(variant))
 
 
-def _signature(example_inputs: list) -> str:
-    """What a variant's traced pattern depends on beyond the sources (``pattern_cache``'s key)."""
-    return repr([(tuple(t.shape), t.stride(), str(t.dtype)) for t in example_inputs])
-
-
 def register(pass_dict) -> None:
     """Register every variant of this fusion into ``pass_dict`` (a ``PatternMatcherPass``): its
     pattern loaded from ``pattern_cache`` (traced in the first process), and checked at match time
@@ -713,7 +708,7 @@ def register(pass_dict) -> None:
             search_fn_pattern=traced_pattern(
                 f"qk_norm_rope_cache_{variant_name(variant)}",
                 functools.partial(gen_pattern, search, example_inputs, _trace, _SCALARS, _EXCLUSIVE),
-                _signature(example_inputs)),
+                inputs_signature(example_inputs)),
         )
 
 
@@ -792,7 +787,7 @@ def _near_miss_pass():
             f"qk_norm_rope_cache_near_miss_{name}_{int(norm_before_transpose)}_{int(strided)}_{str(dtype)[6:]}",
             functools.partial(gen_pattern, norm_rope(norm, norm_before_transpose), example, fwd_only,
                               {"eps": _Q_EPS_EXAMPLE}),
-            _signature(example))
+            inputs_signature(example))
 
         def allowed(match, fp32=dtype == torch.float32):
             x = _val(match, "x")
@@ -809,7 +804,7 @@ def _near_miss_pass():
     example = [t(2, 4, 8, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)]
     pattern = traced_pattern("qk_norm_rope_cache_near_miss_rope_first",
                              functools.partial(gen_pattern, rope_norm, example, fwd_only, {"eps": _Q_EPS_EXAMPLE}),
-                             _signature(example))
+                             inputs_signature(example))
     register_graph_pattern(
         pattern, pass_dict=near_misses,
         extra_check=lambda match: fusion_config.device_allowed(_val(match, "x").device),

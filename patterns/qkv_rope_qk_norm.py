@@ -88,7 +88,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
-from fusion_pass.pattern_cache import traced_pattern
+from fusion_pass.pattern_cache import inputs_signature, traced_pattern
 from fusion_pass.patterns.canonical_forms import scatter_sums_second_half_first
 # The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
@@ -583,8 +583,7 @@ class Registration:
 
     def signature(self) -> str:
         """What the traced pattern depends on beyond the sources (``pattern_cache``'s key)."""
-        inputs = [(tuple(t.shape), str(t.dtype), t.requires_grad) for t in self.example_inputs]
-        return repr((inputs, sorted(self.scalars.items()), self.tensor_names))
+        return repr((inputs_signature(self.example_inputs), sorted(self.scalars.items()), self.tensor_names))
 
 
 def registrations() -> list[Registration]:

@@ -278,8 +278,9 @@ def test_partial_tiles(head_dim, overrides):
 
 def test_the_streaming_tile_as_the_rule_picks_it():
     """B x S >= STREAM_FROM_TOKENS with no overrides: one head x 128 tokens per block (D = 16),
-    4 blocks per program, a masked tail of q heads (6 = 4 + 2), of tokens (1061 = 8 x 128 + 37)
-    and of cache positions; cos/sin read from tables and computed from positions."""
+    4 blocks per program, a masked tail of q heads (6 = 4 + 2), of tokens (STREAM_FROM_TOKENS + 37,
+    37 past a multiple of 128) and of cache positions; cos/sin read from tables and computed from
+    positions."""
     seq = kernel.STREAM_FROM_TOKENS + 37
     config = kernel.launch_config(1, 6, 2, seq, 16, 2)
     assert (config.heads_per_program, config.tokens_per_program, config.blocks_per_program) == (1, 128, 4)

@@ -136,7 +136,7 @@ def _hybrid_model(family: str):
                                                 activation_sparsity_pattern=[0.0, 0.0])
         model, layers = transformers.Gemma3nForCausalLM(config), (2, 2)
     elif family == "gemma4":  # a sliding layer and a full one (partial "proportional" rotary, 64 x 0.25)
-        # head_dim 64 for every layer: Gemma4's own full layers take 512, which the kernel does not serve.
+        # head_dim 64 for every layer: Gemma4's own full layers take 512, which the op does not serve yet.
         config = transformers.Gemma4TextConfig(**geometry, head_dim=64, layer_types=["sliding_attention", "full_attention"],
                                                per_layer_config={}, sliding_window=16)
         model, layers = transformers.Gemma4ForCausalLM(config), (2, 2)
