@@ -14,7 +14,7 @@ import torch
 
 #: Every fusion family this package knows, in the order their passes run.
 FORWARD_FAMILIES = ("qk_norm_rope_cache",)
-TRAINING_FAMILIES = ("qkv_rope_qk_norm",)
+TRAINING_FAMILIES = ("qkv_rope_qk_norm", "qk_norm_rope_backward")
 ALL_FAMILIES = FORWARD_FAMILIES + TRAINING_FAMILIES
 
 

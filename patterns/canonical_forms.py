@@ -40,6 +40,10 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+#: Node meta key set by callers that canonicalize a copy of a graph: the set of original nodes a
+#: node stands for. A merged duplicate's set joins the kept node's.
+ORIGIN = "fusion_pass_origin"
+
 #: Pure ops computed twice on the same arguments in model code: a cast of one tensor (two
 #: ``x.float()``), an ``unsqueeze`` of one table (``apply_rotary_pos_emb`` called once per tensor).
 _MERGEABLE = (prims.convert_element_type.default, aten.unsqueeze.default)
@@ -66,6 +70,8 @@ def merge_duplicate_casts(graph: torch.fx.Graph) -> int:
         key = (node.target, *node.args)
         first = seen.setdefault(key, node)
         if first is not node:
+            if ORIGIN in node.meta:
+                first.meta[ORIGIN] = first.meta.get(ORIGIN, set()) | node.meta[ORIGIN]
             node.replace_all_uses_with(first)
             graph.erase_node(node)
             merged += 1

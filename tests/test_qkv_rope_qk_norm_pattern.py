@@ -20,6 +20,7 @@ from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense as hf
 import fusion_pass
 from fusion_pass.graph_text import CapturingPass
 from fusion_pass.patterns import qkv_rope_qk_norm as pattern
+from fusion_pass.patterns import qk_norm_rope_backward as per_tensor
 from qkv_rope_qk_norm_models import (
     HEAD_DIM,
     HIDDEN,
@@ -37,6 +38,7 @@ from qkv_rope_qk_norm_models import (
 )
 
 FAMILY = "qkv_rope_qk_norm"
+PER_TENSOR = "qk_norm_rope_backward"
 FWD_OP = "fusion_pass.qkv_rope_qk_norm.default"
 # max |grad - grad_eager| / max |grad_eager| over a test's gradients: a few ulps of the largest
 # entry, measured at these tests' inputs (see GRAD_TOLERANCE in test_qkv_rope_qk_norm_numerics.py:
@@ -48,6 +50,7 @@ BWD_OP = "fusion_pass.qkv_rope_qk_norm_backward.default"
 def _compile(model, devices=("cpu",), capture=None):
     fusion_pass.install(devices=devices)
     pattern.reset_variant_counts()
+    per_tensor.reset_variant_counts()
     return torch.compile(model, backend=joint_pass_backend(capture))
 
 
@@ -160,7 +163,9 @@ def test_lookalikes_do_not_match(training):
     """Norm before RoPE; one norm over the whole projection width; HunyuanImage-3.0's grouped
     [q * G, k, v] rows; rotate_half split at D/4 (same ops, other ints: caught by the checks);
     rotate_half as cat((-x1, x2)) (same ops and ints, swapped roles: caught by the role checks).
-    Outputs (and gradients) equal eager's."""
+    Outputs (and gradients) equal eager's. Two of them are real per-head norms and RoPE that the
+    per-tensor family (``qk_norm_rope_backward``) fuses in training: norm before RoPE (Gemma3's
+    placement) and the grouped layout (RoPE first), q and k each."""
     torch.manual_seed(0)
     model = VariantStack([("fused", False, True, False)] * len(LOOKALIKES), lookalikes=LOOKALIKES)
     reference = copy.deepcopy(model)
@@ -177,8 +182,12 @@ def test_lookalikes_do_not_match(training):
     else:
         with torch.no_grad():
             out, expected = compiled(*inputs), reference(*ref_inputs)
-    assert fusion_pass.match_counts() == {}
     assert pattern.variant_counts() == {}
+    if training:
+        assert fusion_pass.match_counts() == {PER_TENSOR: 4}
+        assert per_tensor.variant_counts() == {"qwen3_norm_after_transpose_fp32": 2, "qwen3_rope_first_fp32": 2}
+    else:
+        assert fusion_pass.match_counts() == {}
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -282,6 +291,10 @@ def test_near_misses_are_reported():
     assert misses == {
         (FAMILY, "device type 'cpu' is not enabled (fusion_pass.install(devices=...))"),
         (FAMILY, "dtype torch.float64 is not one of bf16, fp16, fp32"),
+        # the per-tensor family finds each norm <-> RoPE inside and refuses it for the same reasons
+        (PER_TENSOR, "device type 'cpu' is not enabled (fusion_pass.install(devices=...))"),
+        (PER_TENSOR, "per-head RMSNorm <-> RoPE in training in torch.float64 (the backward kernel takes bf16, "
+                     "fp16, fp32)"),
     }
 
 

@@ -1,0 +1,141 @@
+"""``torch.ops.fusion_pass.qk_norm_rope_backward``: the backward of one tensor's per-head RMSNorm and RoPE.
+
+unfused (what autograd derives, op by op, from e.g. Qwen3's ``rope(q_norm(q))`` or HunYuan's
+``q_norm(rope(q))``): about twenty elementwise and reduction nodes per tensor, which Inductor
+compiles into several kernels.
+
+fused: one elementwise pass, the q part of ``qkv_rope_qk_norm_backward_triton``'s kernel (no k,
+no v heads), writing the gradient of the region's input, the norm weight's and, when they are
+required, cos/sin's gradients::
+
+    grad_x, [grad_weight], [grad_cos, grad_sin] = torch.ops.fusion_pass.qk_norm_rope_backward(
+        grad, x, rstd, cos, sin, weight, need_weight_grad, need_cos_sin_grad, rope_first)
+
+    forward differentiated:  y = rope(w * R(x * rstd))        (rope_first=False, Qwen3's order)
+                             y = w * R(rope(x) * rstd)        (rope_first=True, HunYuan's order)
+    rstd = rsqrt(mean(x^2 or rope(x)^2) + eps) in fp32, R(.) rounding to x's dtype
+
+The training pattern (``patterns/qk_norm_rope_backward.py``) puts the kernel nodes themselves into
+CUDA graphs with static shapes (``backward_in_graph``); CPU graphs and symbolic shapes call this op,
+which runs the Triton pass where Triton runs (CUDA, or the CPU under ``TRITON_INTERPRET=1``) and
+its PyTorch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .qkv_rope_qk_norm_backward_triton import qk_norm_rope_backward_in_graph
+from .qkv_rope_qk_norm_op import elementwise_backward_implementation
+
+_LIB = torch.library.Library("fusion_pass", "FRAGMENT")
+_LIB.define(
+    "qk_norm_rope_backward(Tensor grad, Tensor x, Tensor rstd, Tensor cos, Tensor sin, Tensor weight, "
+    "bool need_weight_grad, bool need_cos_sin_grad, bool rope_first) -> (Tensor, Tensor[], Tensor[])",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _check(grad: Tensor, x: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, weight: Tensor) -> None:
+    def fail(name: str, expected: str, got: object) -> None:
+        raise ValueError(f"fusion_pass.qk_norm_rope_backward: {name}: expected {expected}, got {got}")
+
+    if x.dim() != 4:
+        fail("x", "[B, S, H, D]", tuple(x.shape))
+    batch, seq, heads, head_dim = x.shape
+    if tuple(grad.shape) != (batch, heads, seq, head_dim):
+        fail("grad", f"[B, H, S, D] = {(batch, heads, seq, head_dim)}", tuple(grad.shape))
+    if head_dim % 2:
+        fail("x", "an even head_dim (RoPE rotates halves)", head_dim)
+    if tuple(rstd.shape) not in ((batch, heads, seq), (batch, heads, seq, 1)):
+        fail("rstd", f"[B, H, S] or [B, H, S, 1] = {(batch, heads, seq)}", tuple(rstd.shape))
+    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (seq, head_dim):
+        fail("cos", f"[1 or B, S, D] = [1 or {batch}, {seq}, {head_dim}]", tuple(cos.shape))
+    if sin.shape != cos.shape:
+        fail("sin", f"cos's shape {tuple(cos.shape)}", tuple(sin.shape))
+    if tuple(weight.shape) != (head_dim,):
+        fail("weight", f"[D] = [{head_dim}]", tuple(weight.shape))
+    for name, t in (("grad", grad), ("cos", cos), ("sin", sin), ("weight", weight)):
+        if t.dtype != x.dtype:
+            fail(name, f"x's dtype {x.dtype}", t.dtype)
+    for name, t in (("grad", grad), ("x", x)):
+        if t.numel() and t.stride(-1) != 1:
+            fail(name, "a contiguous last dim (stride(-1) == 1)", f"strides {tuple(t.stride())}")
+
+
+def _empty_second_tensor(grad: Tensor, x: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's k operands with no heads: it then does x's heads only (and no v copy)."""
+    return grad[:, :0], x[:, :, :0], rstd[:, :0]
+
+
+def _rows(rstd: Tensor) -> Tensor:
+    """rstd as [B, H, S] (a view)."""
+    return rstd.squeeze(-1) if rstd.dim() == 4 else rstd
+
+
+def qk_norm_rope_backward(
+    grad: Tensor,
+    x: Tensor,
+    rstd: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    weight: Tensor,
+    need_weight_grad: bool,
+    need_cos_sin_grad: bool,
+    rope_first: bool,
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Backward of one tensor's per-head RMSNorm and RoPE (module docstring).
+
+    Args:
+        grad: [B, H, S, D] gradient of the region's output (contiguous last dim).
+        x: [B, S, H, D] the region's input (a strided view is fine; contiguous last dim).
+        rstd: [B, H, S] or [B, H, S, 1], the forward norm's fp32 ``rsqrt(mean(.^2) + eps)``.
+        cos, sin: [Bc, S, D], Bc in {1, B}; weight: [D]. All in x's dtype.
+        need_weight_grad, need_cos_sin_grad: which optional gradients to return.
+        rope_first: the forward's order (True: RoPE, then the norm).
+
+    Returns:
+        (grad_x [B, S, H * D] contiguous, ``[grad_weight]`` or ``[]``, ``[grad_cos, grad_sin]``
+        ([Bc, S, D]) or ``[]``).
+    """
+    _check(grad, x, rstd, cos, sin, weight)
+    batch, seq, heads, head_dim = x.shape
+    grad_x = x.new_empty(batch, seq, heads * head_dim)
+    rstd = _rows(rstd)
+    grad_k, k, k_rstd = _empty_second_tensor(grad, x, rstd)
+    no_columns = grad_x[:, :, :0]
+    grad_weight, _, grad_cos, grad_sin = elementwise_backward_implementation(x)(
+        grad, grad_k, grad_k, x, k, rstd, k_rstd, cos.contiguous(), sin.contiguous(), weight, weight,
+        grad_x, no_columns, no_columns, need_weight_grad, need_cos_sin_grad, rope_first=rope_first)
+    return grad_x, [grad_weight] if need_weight_grad else [], [grad_cos, grad_sin] if need_cos_sin_grad else []
+
+
+_LIB.impl("qk_norm_rope_backward", qk_norm_rope_backward, "CompositeExplicitAutograd")
+
+
+def _fake(grad, x, rstd, cos, sin, weight, need_weight_grad, need_cos_sin_grad, rope_first):
+    _check(grad, x, rstd, cos, sin, weight)
+    batch, seq, heads, head_dim = x.shape
+    return (x.new_empty(batch, seq, heads * head_dim),
+            [torch.empty_like(weight)] if need_weight_grad else [],
+            [cos.new_empty(cos.shape), sin.new_empty(sin.shape)] if need_cos_sin_grad else [])
+
+
+torch.library.register_fake("fusion_pass::qk_norm_rope_backward", _fake, lib=_LIB)
+
+
+def backward_in_graph(grad: Tensor, x: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, weight: Tensor,
+                      need_weight_grad: bool, need_cos_sin_grad: bool, rope_first: bool
+                      ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """``qk_norm_rope_backward`` (same arguments and results) traced as Triton kernel nodes that
+    Inductor launches itself: call while tracing, on CUDA tensors of static shapes, with the
+    arguments checked by the pattern when it matched."""
+    rstd = _rows(rstd)
+    grad_k, k, k_rstd = _empty_second_tensor(grad, x, rstd)
+    grad_proj, grad_weight, _, grad_cos, grad_sin = qk_norm_rope_backward_in_graph(
+        grad, grad_k, grad_k, x, k, rstd, k_rstd, cos.contiguous(), sin.contiguous(), weight, weight,
+        need_weight_grad, need_cos_sin_grad, rope_first)
+    batch, seq = x.shape[0], x.shape[1]
+    return (grad_proj.view(batch, seq, grad_proj.shape[1]), [grad_weight] if need_weight_grad else [],
+            [grad_cos, grad_sin] if need_cos_sin_grad else [])
