@@ -106,7 +106,16 @@ relative error vs a float64 autograd reference, ``rel_err`` of ``benchmarks/benc
 grad_cos / grad_sin ~3.6-5.7e-3, norm-weight grads ~3.0-6.5e-3: the same order as eager bf16
 autograd's own error against float64.
 
-Supported: q/k/grads/cos/sin/norm weights all in one dtype (bf16, fp16, fp32), rstd any float dtype,
+Norm forms (constexpr ``NORM_STYLE``, ``NORM_STYLES``): 0 is the one above, ``y = w * R(x*rstd)`` (Qwen3,
+HunYuan; weight-free norms with w = 1); 1 and 2 the fp32 forms ``y = R(x*rstd*w)`` and ``R(x*rstd*(1 + w))``
+(``nn.RMSNorm``, ``F.rms_norm``, Gemma3n; Gemma3, Qwen3-Next, Qwen3.5): there ``gn = g*w`` and the weight
+term ``g*(x*rstd)`` are fp32, unrounded, as autograd has them. Autocast (constexpr ``ROUND_Y``, the
+rounding of the region output's dtype): with NORM_STYLE 0 in Qwen3's order the grads, tables and
+weights may be fp32 while q/k are bf16/fp16; RoPE's backward and the products it feeds then round to
+fp32 (not at all), and only ``gn`` and ``dx`` round to q's dtype, as autograd does for
+``w_fp32 * n.to(bf16)``.
+
+Supported: q/k/grads/cos/sin/norm weights all in one dtype (bf16, fp16, fp32; or the autocast case above), rstd any float dtype,
 any strides with a contiguous last dim, D even, Bc in {1, B}, Hq and Hkv any (GQA). CUDA, or CPU under
 ``TRITON_INTERPRET=1``. Callers handle other cases with their PyTorch reference.
 """
@@ -147,6 +156,10 @@ ELEMENTWISE_NUM_WARPS = 4
 
 _ROUND_NONE, _ROUND_BF16, _ROUND_FP16 = 0, 1, 2
 _ROUND_MODE = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.float16: _ROUND_FP16}
+#: The norm forms the elementwise pass differentiates (constexpr ``NORM_STYLE``): Qwen3's / HunYuan's
+#: ``w * R(x * rstd)`` (weight-free norms: w = 1), and the fp32 forms ``R(x * rstd * w)`` (``nn.RMSNorm``,
+#: ``F.rms_norm``, Gemma3n) and ``R(x * rstd * (1 + w))`` (Gemma3, Qwen3-Next, Qwen3.5).
+NORM_STYLES = {"weight": 0, "fp32_weight": 1, "fp32_one_plus_weight": 2}
 SUPPORTED_DTYPES = tuple(_ROUND_MODE)
 
 
@@ -236,15 +249,15 @@ def _rope_backward(u1, u2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.const
 
 
 @triton.jit
-def _norm_input_and_grad(q1, q2, g1, g2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.constexpr,
-                         NORM_FIRST: tl.constexpr):
+def _norm_input_and_grad(q1, q2, g1, g2, c1, c2, s1, s2, ROUND: tl.constexpr, ROUND_Y: tl.constexpr,
+                         INTERP: tl.constexpr, NORM_FIRST: tl.constexpr):
     """The halves of the norm's input x and of the gradient reaching the norm's output, from
     the pre-RoPE q and the incoming grad g: (rope(q) recomputed with eager's roundings, g), or
     NORM_FIRST (q, RoPE's backward of g)."""
     if NORM_FIRST:
         x1 = q1
         x2 = q2
-        gy1, gy2 = _rope_backward(g1, g2, c1, c2, s1, s2, ROUND, INTERP)
+        gy1, gy2 = _rope_backward(g1, g2, c1, c2, s1, s2, ROUND_Y, INTERP)
     else:  # x = R(R(q*cos) + R(rotate_half(q)*sin))
         x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
         x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
@@ -254,8 +267,8 @@ def _norm_input_and_grad(q1, q2, g1, g2, c1, c2, s1, s2, ROUND: tl.constexpr, IN
 
 
 @triton.jit
-def _cos_sin_factors(g1, g2, dx1, dx2, q1, q2, xr1, xr2, w1, w2, ROUND: tl.constexpr, INTERP: tl.constexpr,
-                     NORM_FIRST: tl.constexpr):
+def _cos_sin_factors(g1, g2, dx1, dx2, q1, q2, xr1, xr2, w1, w2, ROUND: tl.constexpr, ROUND_Y: tl.constexpr,
+                     INTERP: tl.constexpr, NORM_FIRST: tl.constexpr, NORM_STYLE: tl.constexpr):
     """The halves of (u, p) whose products give the cos/sin grads, R(u * p) and
     R(u * rotate_half(p)): u the gradient of RoPE's output, p its input. (dx, q) when RoPE comes
     first; NORM_FIRST (g, the norm's output n = R(w * R(x*r))), from xr = x*r unrounded and w
@@ -263,14 +276,55 @@ def _cos_sin_factors(g1, g2, dx1, dx2, q1, q2, xr1, xr2, w1, w2, ROUND: tl.const
     if NORM_FIRST:
         u1 = g1
         u2 = g2
-        p1 = _rnd(_rnd(xr1, ROUND, INTERP) * w1, ROUND, INTERP)
-        p2 = _rnd(_rnd(xr2, ROUND, INTERP) * w2, ROUND, INTERP)
+        p1 = _normed(xr1, w1, ROUND, ROUND_Y, INTERP, NORM_STYLE)
+        p2 = _normed(xr2, w2, ROUND, ROUND_Y, INTERP, NORM_STYLE)
     else:
         u1 = dx1
         u2 = dx2
         p1 = q1
         p2 = q2
     return u1, u2, p1, p2
+
+
+@triton.jit
+def _effective_weight(w, NORM_STYLE: tl.constexpr):
+    """The factor the normalized row is multiplied by: ``1 + w`` for Gemma's form (fp32)."""
+    if NORM_STYLE == 2:
+        return w + 1.0
+    else:
+        return w
+
+
+@triton.jit
+def _normed(xr, w, ROUND: tl.constexpr, ROUND_Y: tl.constexpr, INTERP: tl.constexpr, NORM_STYLE: tl.constexpr):
+    """The norm's output from xr = x * rstd (fp32) and the effective weight: ``R_y(w * R(xr))`` for
+    Qwen3's form (the weight multiplies the row cast to x's dtype, in the output dtype y), ``R(xr * w)``
+    for the fp32 forms (one rounding)."""
+    if NORM_STYLE == 0:
+        return _rnd(_rnd(xr, ROUND, INTERP) * w, ROUND_Y, INTERP)
+    else:
+        return _rnd(xr * w, ROUND, INTERP)
+
+
+@triton.jit
+def _grad_normed(g, w, ROUND: tl.constexpr, INTERP: tl.constexpr, NORM_STYLE: tl.constexpr):
+    """Gradient reaching the normalized fp32 row: ``R(g * w)`` for Qwen3's form (the mul's backward
+    for the row cast to x's dtype), ``g * w`` for the fp32 forms."""
+    if NORM_STYLE == 0:
+        return _rnd(g * w, ROUND, INTERP)
+    else:
+        return g * w
+
+
+@triton.jit
+def _weight_grad_term(g, xr, ROUND: tl.constexpr, ROUND_Y: tl.constexpr, INTERP: tl.constexpr,
+                      NORM_STYLE: tl.constexpr):
+    """One element's term of the norm weight's gradient: ``R_y(g * R(xr))`` for Qwen3's form, ``g * xr``
+    for the fp32 forms (the gradient of ``1 + w`` is the gradient of w)."""
+    if NORM_STYLE == 0:
+        return _rnd(g * _rnd(xr, ROUND, INTERP), ROUND_Y, INTERP)
+    else:
+        return g * xr
 
 
 @triton.jit
@@ -297,7 +351,7 @@ def _qk_tile(
     H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BH: tl.constexpr, BT: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
 ):
     """Backward of w * rmsnorm(rope(x)) (NORM_FIRST: of rope(w * rmsnorm(x))) on one [BH heads,
     BT tokens] tile, held as two [BH, BT, D/2] fp32 half tiles (rotate_half is free). Stores
@@ -344,10 +398,10 @@ def _qk_tile(
 
     g0_1 = g1
     g0_2 = g2
-    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
+    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND, ROUND_Y, INTERP, NORM_FIRST)
 
-    gn1 = _rnd(g1 * w1[None, None, :], ROUND, INTERP)
-    gn2 = _rnd(g2 * w2[None, None, :], ROUND, INTERP)
+    gn1 = _grad_normed(g1, w1[None, None, :], ROUND, INTERP, NORM_STYLE)
+    gn2 = _grad_normed(g2, w2[None, None, :], ROUND, INTERP, NORM_STYLE)
 
     # RMSNorm backward in fp32, rounded once (the x.float() cast's backward).
     dot = _sum(gn1 * x1, 2) + _sum(gn2 * x2, 2)  # [BH, BT]
@@ -355,7 +409,7 @@ def _qk_tile(
     dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
     dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
     u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, None, :],
-                                      w2[None, None, :], ROUND, INTERP, NORM_FIRST)
+                                      w2[None, None, :], ROUND, ROUND_Y, INTERP, NORM_FIRST, NORM_STYLE)
 
     # Sums over this tile's heads, all in ONE multi-operand reduction (v2's six separate
     # reductions over heads, which cross warps, cost ~5 % more).
@@ -366,21 +420,21 @@ def _qk_tile(
     gw2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
     if NEED_W and NEED_CS:
         pw1, pw2, gc1, gc2, gs1, gs2 = tl.reduce(
-            (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
-             _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP),
-             _rnd(u1 * p1, ROUND, INTERP), _rnd(u2 * p2, ROUND, INTERP),
-             _rnd(u1 * p2, ROUND, INTERP), _rnd(u2 * p1, ROUND, INTERP)),
+            (_weight_grad_term(g1, x1 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE),
+             _weight_grad_term(g2, x2 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE),
+             _rnd(u1 * p1, ROUND_Y, INTERP), _rnd(u2 * p2, ROUND_Y, INTERP),
+             _rnd(u1 * p2, ROUND_Y, INTERP), _rnd(u2 * p1, ROUND_Y, INTERP)),
             0, _add6)  # each [BT, BLOCK_HALF]
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_W:
         pw1, pw2 = tl.reduce(
-            (_rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP),
-             _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP)), 0, _add2)
+            (_weight_grad_term(g1, x1 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE),
+             _weight_grad_term(g2, x2 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE)), 0, _add2)
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_CS:
         gc1, gc2, gs1, gs2 = tl.reduce(
-            (_rnd(u1 * p1, ROUND, INTERP), _rnd(u2 * p2, ROUND, INTERP),
-             _rnd(u1 * p2, ROUND, INTERP), _rnd(u2 * p1, ROUND, INTERP)), 0, _add4)
+            (_rnd(u1 * p1, ROUND_Y, INTERP), _rnd(u2 * p2, ROUND_Y, INTERP),
+             _rnd(u1 * p2, ROUND_Y, INTERP), _rnd(u2 * p1, ROUND_Y, INTERP)), 0, _add4)
     if NEED_CS:
         cs_row = cs_ptr + t[:, None] * (2 * D) + d[None, :]
         tl.store(cs_row, gc1, mask=m2)
@@ -420,7 +474,7 @@ def _qk_norm_rope_bwd_kernel(
     BHQ: tl.constexpr, BTQ: tl.constexpr, BHK: tl.constexpr, BTK: tl.constexpr,
     BHV: tl.constexpr, BTV: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
 ):
     """1-D grid: [q programs | k programs | v programs]. Program (kind, head block hb, group g)
     handles the token tiles g, g + G, g + 2G, ... of that head block (tiles of BH x BT rows)."""
@@ -436,8 +490,8 @@ def _qk_norm_rope_bwd_kernel(
     if pid < PQ:
         hb = pid // GQ
         grp = pid - hb * GQ
-        w1 = tl.load(wq_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-        w2 = tl.load(wq_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        w1 = _effective_weight(tl.load(wq_ptr + d, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
+        w2 = _effective_weight(tl.load(wq_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
         acc1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
         acc2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
         cs_blk = cs_ws_ptr + hb.to(tl.int64) * M * (2 * D)
@@ -446,7 +500,7 @@ def _qk_norm_rope_bwd_kernel(
                 gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss,
                 cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dq_ptr, dq_sb, dq_ss, cs_blk,
                 hb * BHQ, tt * BTQ, M, S,
-                HQ, D, HALF, BLOCK_HALF, BHQ, BTQ, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST,
+                HQ, D, HALF, BLOCK_HALF, BHQ, BTQ, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y, NORM_STYLE,
             )
             acc1 += gw1
             acc2 += gw2
@@ -458,8 +512,8 @@ def _qk_norm_rope_bwd_kernel(
         p = pid - PQ
         hb = p // GK
         grp = p - hb * GK
-        w1 = tl.load(wk_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-        w2 = tl.load(wk_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+        w1 = _effective_weight(tl.load(wk_ptr + d, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
+        w2 = _effective_weight(tl.load(wk_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
         acc1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
         acc2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
         cs_blk = cs_ws_ptr + (NQB + hb).to(tl.int64) * M * (2 * D)
@@ -468,7 +522,7 @@ def _qk_norm_rope_bwd_kernel(
                 gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss,
                 cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dk_ptr, dk_sb, dk_ss, cs_blk,
                 hb * BHK, tt * BTK, M, S,
-                HKV, D, HALF, BLOCK_HALF, BHK, BTK, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST,
+                HKV, D, HALF, BLOCK_HALF, BHK, BTK, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y, NORM_STYLE,
             )
             acc1 += gw1
             acc2 += gw2
@@ -504,7 +558,7 @@ def _qk_head_rows(
     pw1, pw2, gc1, gc2, gs1, gs2,  # [BT, BLOCK_HALF] fp32 accumulators (returned updated)
     D: tl.constexpr, HALF: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
 ):
     """Backward of ``w * rmsnorm(rope(x))`` (NORM_FIRST: of ``rope(w * rmsnorm(x))``) for one
     head on a tile of BT tokens (two [BT, D/2] halves): stores d(proj) and adds this head's terms
@@ -520,23 +574,23 @@ def _qk_head_rows(
 
     g0_1 = g1
     g0_2 = g2
-    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
-    gn1 = _rnd(g1 * w1[None, :], ROUND, INTERP)
-    gn2 = _rnd(g2 * w2[None, :], ROUND, INTERP)
+    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND, ROUND_Y, INTERP, NORM_FIRST)
+    gn1 = _grad_normed(g1, w1[None, :], ROUND, INTERP, NORM_STYLE)
+    gn2 = _grad_normed(g2, w2[None, :], ROUND, INTERP, NORM_STYLE)
     dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BT]: across the lanes of one warp
     coef = r * r * r * (dot / D)[:, None]
     dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
     dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
     if NEED_W:
-        pw1 += _rnd(g1 * _rnd(x1 * r, ROUND, INTERP), ROUND, INTERP)
-        pw2 += _rnd(g2 * _rnd(x2 * r, ROUND, INTERP), ROUND, INTERP)
+        pw1 += _weight_grad_term(g1, x1 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE)
+        pw2 += _weight_grad_term(g2, x2 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE)
     if NEED_CS:
         u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, :], w2[None, :],
-                                          ROUND, INTERP, NORM_FIRST)
-        gc1 += _rnd(u1 * p1, ROUND, INTERP)
-        gc2 += _rnd(u2 * p2, ROUND, INTERP)
-        gs1 += _rnd(u1 * p2, ROUND, INTERP)
-        gs2 += _rnd(u2 * p1, ROUND, INTERP)
+                                          ROUND, ROUND_Y, INTERP, NORM_FIRST, NORM_STYLE)
+        gc1 += _rnd(u1 * p1, ROUND_Y, INTERP)
+        gc2 += _rnd(u2 * p2, ROUND_Y, INTERP)
+        gs1 += _rnd(u1 * p2, ROUND_Y, INTERP)
+        gs2 += _rnd(u2 * p1, ROUND_Y, INTERP)
     dq1, dq2 = _proj_grad(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
     o_off = o_rows[:, None] + d[None, :]
     tl.store(o_ptr + o_off, dq1, mask=m2)
@@ -555,13 +609,13 @@ def _heads_of_slice(
     c1, c2, s1, s2, gc1, gc2, gs1, gs2,
     D: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BLOCK_HALF: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    STAGES: tl.constexpr, NORM_FIRST: tl.constexpr,
+    STAGES: tl.constexpr, NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
 ):
     """Heads [h_lo, h_hi) of one tensor (q or k) on the program's tokens: the loop over heads,
     software-pipelined STAGES deep, then the weight-grad partial row (summed over the tokens).
     Returns the cos/sin accumulators with these heads' terms added."""
-    w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    w1 = _effective_weight(tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32), NORM_STYLE)
+    w2 = _effective_weight(tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32), NORM_STYLE)
     pw1 = tl.full([BT, BLOCK_HALF], 0.0, tl.float32)
     pw2 = tl.full([BT, BLOCK_HALF], 0.0, tl.float32)
     g_tok = b * g_sb + s * g_ss
@@ -573,7 +627,7 @@ def _heads_of_slice(
         pw1, pw2, gc1, gc2, gs1, gs2 = _qk_head_rows(
             g_ptr, x_ptr, r_ptr, o_ptr, g_tok + hh * g_sh, x_tok + hh * x_sh, r_tok + hh * r_sh, o_tok + hh * D,
             d, m2, tm, c1, c2, s1, s2, w1, w2, pw1, pw2, gc1, gc2, gs1, gs2, D, HALF, ROUND, INTERP, NEED_W, NEED_CS,
-            NORM_FIRST)
+            NORM_FIRST, ROUND_Y, NORM_STYLE)
     if NEED_W:
         tl.store(gw_row_ptr + d, _sum(pw1, 0), mask=dm)
         tl.store(gw_row_ptr + HALF + d, _sum(pw2, 0), mask=dm)
@@ -603,7 +657,7 @@ def _qk_norm_rope_bwd_rows_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
     ROUND: tl.constexpr, CS_ROUND: tl.constexpr, INTERP: tl.constexpr,
     NEED_W: tl.constexpr, NEED_CS: tl.constexpr, CS_DIRECT: tl.constexpr, STAGES: tl.constexpr,
-    NORM_FIRST: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
 ):
     """Token-rows tiling (v5). Program (token tile, head slice) owns BT tokens and slice ``NS``-th
     of the q, k and v heads; it loads the tokens' cos/sin rows once, walks its heads one by one
@@ -643,13 +697,13 @@ def _qk_norm_rope_bwd_rows_kernel(
         gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss, dq_ptr, dq_sb, dq_ss,
         wq_ptr, gw_ws_ptr + pid.to(tl.int64) * D, slice_ * CQ, tl.minimum(slice_ * CQ + CQ, HQ),
         b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST)
+        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST, ROUND_Y, NORM_STYLE)
     CK: tl.constexpr = (HKV + NS - 1) // NS
     gc1, gc2, gs1, gs2 = _heads_of_slice(
         gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss, dk_ptr, dk_sb, dk_ss,
         wk_ptr, gw_ws_ptr + (P + pid).to(tl.int64) * D, slice_ * CK, tl.minimum(slice_ * CK + CK, HKV),
         b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST)
+        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST, ROUND_Y, NORM_STYLE)
 
     if NEED_CS:
         # grad_cos = sum of R(dx*q); grad_sin = sum of R(dx*rotate_half(q)) = [-gs1, gs2].
@@ -751,7 +805,7 @@ def _qk_norm_rope_bwd_graph_kernel(
     HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BHQ: tl.constexpr, BTQ: tl.constexpr, BHK: tl.constexpr, BTK: tl.constexpr, BHV: tl.constexpr,
     BTV: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
 ):
     """``_qk_norm_rope_bwd_kernel`` (the head-tile elementwise kernel) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
@@ -762,7 +816,8 @@ def _qk_norm_rope_bwd_graph_kernel(
         q_ss, q_sh, k_ptr, k_sb, k_ss, k_sh, rq_ptr, rq_sb, rq_sh, rq_ss, rk_ptr, rk_sb, rk_sh, rk_ss, cos_ptr,
         cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, wq_ptr, wk_ptr, dq_ptr, dq_sb, dq_ss, dk_off, dk_sb, dk_ss,
         dv_off, dv_sb, dv_ss, gw_ws_ptr, cs_ws_ptr, M, S, GQ, GK, GV, NTT_Q, NTT_KV, HQ, HKV, D, HALF,
-        BLOCK_HALF, BLOCK_D, BHQ, BTQ, BHK, BTK, BHV, BTV, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST,
+        BLOCK_HALF, BLOCK_D, BHQ, BTQ, BHK, BTK, BHV, BTV, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y,
+        NORM_STYLE,
     )
 
 
@@ -780,7 +835,8 @@ def _qk_norm_rope_bwd_rows_graph_kernel(
     P: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr, ROUND: tl.constexpr,
     CS_ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    CS_DIRECT: tl.constexpr, STAGES: tl.constexpr, NORM_FIRST: tl.constexpr,
+    CS_DIRECT: tl.constexpr, STAGES: tl.constexpr, NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr,
+    NORM_STYLE: tl.constexpr,
 ):
     """``_qk_norm_rope_bwd_rows_kernel`` (the token-row elementwise kernel) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
@@ -791,7 +847,8 @@ def _qk_norm_rope_bwd_rows_graph_kernel(
         q_ss, q_sh, k_ptr, k_sb, k_ss, k_sh, rq_ptr, rq_sb, rq_sh, rq_ss, rk_ptr, rk_sb, rk_sh, rk_ss, cos_ptr,
         cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, wq_ptr, wk_ptr, dq_ptr, dq_sb, dq_ss, dk_off, dk_sb, dk_ss,
         dv_off, dv_sb, dv_ss, gw_ws_ptr, cs_ws_ptr, gc_ptr, gs_ptr, M, S, P, HQ, HKV, D, HALF, BLOCK_HALF,
-        BLOCK_D, BT, NS, ROUND, CS_ROUND, INTERP, NEED_W, NEED_CS, CS_DIRECT, STAGES, NORM_FIRST,
+        BLOCK_D, BT, NS, ROUND, CS_ROUND, INTERP, NEED_W, NEED_CS, CS_DIRECT, STAGES, NORM_FIRST, ROUND_Y,
+        NORM_STYLE,
     )
 
 
@@ -1004,6 +1061,7 @@ def qk_norm_rope_backward_triton(
     need_cos_sin_grad: bool,
     num_programs: int | None = None,
     rope_first: bool = True,
+    norm_style: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Backward of ``w * rmsnorm(rope(q))`` (``rope_first=False``: of ``rope(w * rmsnorm(q))``,
     the Qwen3 order) for q and k (and the layout copy of v), one pass.
@@ -1023,6 +1081,8 @@ def qk_norm_rope_backward_triton(
             with at most ``ELEMENTWISE_MAX_TILES_PER_PROGRAM`` tiles per program). Token rows
             (v5): head slices are added until the grid reaches it (default
             ``ROWS_PROGRAMS_PER_SM * SMs``); the grid can be larger.
+        rope_first: the forward's order (False: the norm, then RoPE).
+        norm_style: the norm form differentiated, a ``NORM_STYLES`` value.
 
     Returns:
         (grad_q_weight [D], grad_k_weight [D], grad_cos [Bc, S, D], grad_sin [Bc, S, D]) in the
@@ -1050,9 +1110,16 @@ def qk_norm_rope_backward_triton(
              ("cos", cos), ("sin", sin), ("q_weight", q_weight), ("k_weight", k_weight),
              ("grad_q_proj", grad_q_proj), ("grad_k_proj", grad_k_proj), ("grad_v_proj", grad_v_proj))
     strides = [t.stride() for _, t in named]
+    # q, k and the projection grads in x's dtype; the incoming grads, tables and weights in the
+    # region output's (y: x's own, or fp32 under autocast for Qwen3's form in Qwen3's order).
+    y_dtype = grad_q.dtype
+    if y_dtype != dtype and (rope_first or norm_style != 0 or y_dtype != torch.float32):
+        raise ValueError(f"qk_norm_rope_backward_triton: grad_q has dtype {y_dtype}, expected q's {dtype} "
+                         "(only Qwen3's norm form in Qwen3's order takes fp32 grads with low-precision q)")
     for (name, t), st in zip(named, strides):
-        if t.dtype != dtype:
-            raise ValueError(f"qk_norm_rope_backward_triton: {name} has dtype {t.dtype}, expected q's {dtype}")
+        expected = dtype if name in ("q", "k") or name.endswith("_proj") else y_dtype
+        if t.dtype != expected:
+            raise ValueError(f"qk_norm_rope_backward_triton: {name} has dtype {t.dtype}, expected {expected}")
         if st[-1] != 1 and t.numel():
             raise ValueError(f"qk_norm_rope_backward_triton: {name} needs a contiguous last dim, "
                              f"got strides {tuple(st)}")
@@ -1082,7 +1149,8 @@ def qk_norm_rope_backward_triton(
     _, gqw, gkw, gcos, gsin = _elementwise(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
         grad_q_proj, (dq_sb, dq_ss), (offsets[0], dk_sb, dk_ss), (offsets[1], dv_sb, dv_ss), rq_s, rk_s,
-        need_weight_grad, need_cos_sin_grad, num_programs, in_graph=False, rope_first=rope_first)
+        need_weight_grad, need_cos_sin_grad, num_programs, in_graph=False, rope_first=rope_first,
+        norm_style=norm_style)
     return gqw, gkw, gcos, gsin
 
 
@@ -1101,6 +1169,7 @@ def qk_norm_rope_backward_in_graph(
     need_weight_grad: bool,
     need_cos_sin_grad: bool,
     rope_first: bool = True,
+    norm_style: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``qk_norm_rope_backward_triton`` traced into a graph: its launches become Triton kernel
     nodes (``TritonCall.in_graph``) that Inductor launches itself.
@@ -1122,7 +1191,7 @@ def qk_norm_rope_backward_in_graph(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
         grad_proj, (S * row, row), (nq, S * row, row), (nq + nk, S * row, row),
         _rstd_strides(q_rstd, B, HQ, S, "q_rstd"), _rstd_strides(k_rstd, B, HKV, S, "k_rstd"),
-        need_weight_grad, need_cos_sin_grad, None, in_graph=True, rope_first=rope_first)
+        need_weight_grad, need_cos_sin_grad, None, in_graph=True, rope_first=rope_first, norm_style=norm_style)
     return grad_proj, gqw, gkw, gcos, gsin
 
 
@@ -1137,7 +1206,7 @@ def _run(call: TritonCall, written: tuple[str, ...], in_graph: bool) -> dict[str
 
 def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight, grad_proj,
                  dq_strides, dk_layout, dv_layout, rq_s, rk_s, need_w, need_cs, num_programs, in_graph,
-                 rope_first):
+                 rope_first, norm_style=0):
     """The elementwise kernel (v3 or v5 by M), then the finishing sums; returns (grad_proj, gqw,
     gkw, gcos, gsin). ``grad_proj`` is the q part's view; the k and v parts lie at element offsets
     ``dk_layout[0]``/``dv_layout[0]`` from it (one buffer: a graph node writes whole tensors)."""
@@ -1162,7 +1231,8 @@ def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weigh
     unused = torch.empty((1,), device=dev, dtype=torch.float32)  # pointer of a constexpr-disabled argument
     grad_cos = grad_sin = None
     common = dict(HQ=HQ, HKV=HKV, D=D, HALF=D // 2, ROUND=_ROUND_MODE[q.dtype], INTERP=not q.is_cuda,
-                  NEED_W=need_w, NEED_CS=need_cs, NORM_FIRST=not rope_first)
+                  NEED_W=need_w, NEED_CS=need_cs, NORM_FIRST=not rope_first, ROUND_Y=_ROUND_MODE[grad_q.dtype],
+                  NORM_STYLE=norm_style)
     if elementwise_tiling(M) == "token_rows":
         plan = _rows_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
                           max(1, round(ROWS_PROGRAMS_PER_SM * sm_count(q))) if num_programs is None else num_programs,

@@ -116,8 +116,10 @@ def _norm_rope_backward_one(
     sin4: torch.Tensor,
     weight: torch.Tensor,
     rope_first: bool = True,
+    norm_style: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``norm(rope(p))`` (``rope_first=False``: of ``rope(norm(p))``) for one of q / k.
+    ``norm_style``: 0 ``w * R(n)`` (Qwen3), 1 ``R(n * w)``, 2 ``R(n * (1 + w))`` (fp32 forms).
 
     Args:
         grad_out: [B, H, S, D] gradient of the normalized output.
@@ -141,13 +143,17 @@ def _norm_rope_backward_one(
     g = grad_out.to(acc)
     if not rope_first:  # the gradient reaching the norm's output: RoPE's backward of grad_out
         g = g * cos_a + rotate_half_transposed(g * sin_a)
-    grad_weight = (g * n_rounded).sum(dim=(0, 1, 2))
-    g_n = g * weight.to(acc)
+    grad_weight = (g * (n_rounded if norm_style == 0 else n)).sum(dim=(0, 1, 2))
+    weight_eff = weight.to(acc) + 1 if norm_style == 2 else weight.to(acc)
+    g_n = g * weight_eff
     # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g_n - n * mean(g_n * n)).
     grad_x = rstd * (g_n - n * (g_n * n).mean(-1, keepdim=True))
     grad_x = grad_x.to(dtype).to(acc)  # eager rounds at the norm's input cast (no-op in fp32)
     if not rope_first:
-        normed = (weight * n_rounded.to(dtype)).to(acc)  # the norm's output, RoPE's input
+        if norm_style == 0:  # the norm's output, RoPE's input
+            normed = (weight * n_rounded.to(dtype)).to(acc)
+        else:
+            normed = (n * weight_eff).to(dtype).to(acc)
         u = grad_out.to(acc)
         return grad_x, grad_weight, u * normed, u * rotate_half(normed)
     p = x_pre.to(acc)
@@ -181,6 +187,7 @@ def qk_norm_rope_backward_reference(
     need_weight_grad: bool,
     need_cos_sin_grad: bool,
     rope_first: bool = True,
+    norm_style: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Elementwise backward of RoPE -> per-head RMSNorm (``rope_first=False``: RMSNorm -> RoPE)
     for q and k (same signature as the Triton one).
@@ -204,9 +211,9 @@ def qk_norm_rope_backward_reference(
     kv_heads = k.shape[2]
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
     gq_p, gq_w, q_cos, q_sin = _norm_rope_backward_one(grad_q, q.transpose(1, 2), q_rstd, cos4, sin4, q_weight,
-                                                       rope_first)
+                                                       rope_first, norm_style)
     gk_p, gk_w, k_cos, k_sin = _norm_rope_backward_one(grad_k, k.transpose(1, 2), k_rstd, cos4, sin4, k_weight,
-                                                       rope_first)
+                                                       rope_first, norm_style)
     grad_q_proj.copy_(gq_p.transpose(1, 2).reshape(batch, seq, q_heads * head_dim))
     grad_k_proj.copy_(gk_p.transpose(1, 2).reshape(batch, seq, kv_heads * head_dim))
     grad_v_proj.copy_(grad_v.transpose(1, 2).reshape(batch, seq, kv_heads * head_dim))

@@ -16,6 +16,10 @@ that does not require grad, autocast casts in front of the GEMM: none of it is i
     q = apply_rotary_pos_emb(q_proj_out.view(hidden_shape).transpose(1, 2), k, cos, sin)[0]
     q = self.query_layernorm(q)                                          # HunYuan ("rope_first")
 
+with any norm form of ``NORM_FORMS`` (Qwen3's, Gemma3's ``1 + w``, ``nn.RMSNorm`` / ``F.rms_norm``,
+Gemma3n's, AFMoE's, weight-free), in one dtype or under bf16 autocast over an fp32 model (Qwen3's form
+and order; other mixed dtypes are reported).
+
 unfused (joint graph): the region's forward nodes, and the ~20 backward nodes per tensor that
 autograd derived from them (norm, RoPE and cast derivatives, gradient sums).
 fused: the forward nodes stay (Inductor compiles them as before); the backward nodes are replaced by
@@ -50,6 +54,7 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only,
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.kernels.qk_norm_rope_backward_op import backward_in_graph
+from fusion_pass.kernels.qkv_rope_qk_norm_backward_triton import NORM_STYLES
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rope_reference
 from fusion_pass.kernels.triton_device import kernels_in_graph
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
@@ -61,9 +66,11 @@ FAMILY = "qk_norm_rope_backward"
 aten = torch.ops.aten
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Norm styles the backward kernel computes (``NormForm.style``): Qwen3's / HunYuan's
-#: ``weight * normed.to(dtype)`` and the weight-free forms (the same with a weight of ones).
-KERNEL_NORM_STYLES = ("weight", "no_weight")
+#: ``NormForm.style`` -> the kernel's ``NORM_STYLES`` value: weight-free forms are Qwen3's with a
+#: weight of ones (``w * R(n)`` with w = 1 is ``R(n)``).
+KERNEL_NORM_STYLE = {"weight": NORM_STYLES["weight"], "no_weight": NORM_STYLES["weight"],
+                     "fp32_weight": NORM_STYLES["fp32_weight"],
+                     "fp32_one_plus_weight": NORM_STYLES["fp32_one_plus_weight"]}
 
 PLACEMENTS = ("norm_then_transpose", "norm_after_transpose", "rope_before_transpose", "rope_first")
 
@@ -96,7 +103,7 @@ class Variant:
     norm: str
     placement: str
     dtype: torch.dtype  # bf16 stands for every low-precision dtype (the casts are in the graph)
-    strided: bool = False  # norm_after_transpose: the input is the transposed view (its graph has a copy)
+    strided: bool = False  # the [B, H, S, D] input is the transposed view (some norm forms then copy it)
 
     @property
     def name(self) -> str:
@@ -109,7 +116,8 @@ def _variants() -> tuple[Variant, ...]:
     for (name, form), placement, dtype in itertools.product(NORM_FORMS.items(), PLACEMENTS,
                                                             (torch.bfloat16, torch.float32)):
         out.append(Variant(name, placement, dtype))
-        if placement == "norm_after_transpose" and form.copies_strided_input:
+        # The input as the transposed view of [B, S, H, D] (HF's layout: such norm forms copy it)
+        if placement in ("norm_after_transpose", "rope_first") and form.copies_strided_input:
             out.append(Variant(name, placement, dtype, strided=True))
     return tuple(out)
 
@@ -333,14 +341,15 @@ def _find_region(found: _Found, backward_nodes: set, owners: dict) -> _Region | 
     for n in region:
         if n.meta.get("seq_nr") in seq_nrs:
             seq_to_forward[n.meta["seq_nr"]].append(n)
+    seq_nrs_with_backward = {n.meta.get("seq_nr") for n in backward}
     outputs: dict[str, torch.fx.Node] = {}
     for node in backward:
         if all(u in backward for u in node.users):
             continue
         candidates = None
         for leaf in _accumulation_leaves(node, backward):
-            args = {a for f in seq_to_forward.get(leaf.meta.get("seq_nr"), ()) for a in f.all_input_nodes}
-            found_roles = {roles[a] for a in args if a in roles}
+            found_roles = {role for f in seq_to_forward.get(leaf.meta.get("seq_nr"), ())
+                           for role in _input_roles(f, roles, region, seq_nrs_with_backward)}
             candidates = found_roles if candidates is None else candidates & found_roles
         value = _val(node)
         candidates = {r for r in candidates or () if isinstance(value, torch.Tensor) and _role_shape_matches(
@@ -354,6 +363,19 @@ def _find_region(found: _Found, backward_nodes: set, owners: dict) -> _Region | 
                    rsqrts[0] if len(rsqrts) == 1 else None)
 
 
+def _input_roles(node: torch.fx.Node, roles: dict, region: set, seq_nrs_with_backward: set) -> set[str]:
+    """The region inputs whose gradient the backward of forward ``node`` may produce: its arguments
+    that are inputs, and through arguments made by ops autograd passed the gradient through without a
+    node of its own (``1.0 + weight`` in fp32: the add's gradient is the mul's)."""
+    found = set()
+    for arg in node.all_input_nodes:
+        if arg in roles:
+            found.add(roles[arg])
+        elif arg in region and arg.meta.get("seq_nr") not in seq_nrs_with_backward:
+            found |= _input_roles(arg, roles, region, seq_nrs_with_backward)
+    return found
+
+
 def _role_shape_matches(role: str, value: torch.Tensor, x, weight, cos: set, sin: set) -> bool:
     node = {"x": x, "weight": weight, "cos": next(iter(cos)), "sin": next(iter(sin))}[role]
     expected = _val(node)
@@ -365,9 +387,6 @@ def _role_shape_matches(role: str, value: torch.Tensor, x, weight, cos: set, sin
 def _refusal(region: _Region) -> str | None:
     """Why the kernel cannot take this region (None: it can)."""
     form = NORM_FORMS[region.variant.norm]
-    if form.style not in KERNEL_NORM_STYLES and not (form.style == "fp32_weight" and _val(region.x).dtype == torch.float32):
-        return (f"per-head RMSNorm ({region.variant.norm} form, style {form.style!r}) <-> RoPE in training: "
-                "the backward kernel computes the Qwen3 / HunYuan form and weight-free norms only")
     x, grad = _val(region.x), _val(region.grad)
     cos, sin = _val(next(iter(region.cos))), _val(next(iter(region.sin)))
     weight = _val(region.weight) if region.weight is not None else None
@@ -377,9 +396,16 @@ def _refusal(region: _Region) -> str | None:
     if x.dtype not in SUPPORTED_DTYPES:
         return f"per-head RMSNorm <-> RoPE in training in {x.dtype} (the backward kernel takes bf16, fp16, fp32)"
     if any(t.dtype != x.dtype for t in tensors):
-        dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors}))
-        return (f"per-head RMSNorm <-> RoPE in training with mixed dtypes ({dtypes}; autocast?): the backward "
-                "kernel takes one dtype")
+        # Autocast over an fp32 model, Qwen3's form in Qwen3's order: x bf16 (the projection's output),
+        # the weight, the tables and so the output and its gradient fp32. Anything else mixed: refused.
+        autocast = (form.style == "weight" and region.variant.placement != "rope_first"
+                    and x.dtype in (torch.bfloat16, torch.float16)
+                    and all(t.dtype == torch.float32 for t in tensors if t is not x))
+        if not autocast:
+            dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors}))
+            return (f"per-head RMSNorm ({region.variant.norm} form) <-> RoPE in training with mixed dtypes "
+                    f"({dtypes}): the backward kernel takes one dtype, or autocast's bf16 input with fp32 "
+                    "weight and tables for Qwen3's form in Qwen3's order")
     if x.dim() != 4 or x.shape[-1] % 2:
         return f"per-head RMSNorm <-> RoPE in training with input shape {tuple(x.shape)} (expected 4-D, even head_dim)"
     if x.stride(-1) != 1:
@@ -399,6 +425,7 @@ def _replacement(region: _Region) -> tuple[Callable, list[torch.fx.Node], list[s
     """A function of graph values returning the new gradients (in ``roles`` order), its inputs."""
     heads_first, table_dim = _kernel_layout(region)
     form = NORM_FORMS[region.variant.norm]
+    norm_style = KERNEL_NORM_STYLE[form.style]
     rope_first = region.variant.placement == "rope_first"
     roles = list(region.outputs)
     need_weight = "weight" in roles and form.weighted
@@ -419,7 +446,7 @@ def _replacement(region: _Region) -> tuple[Callable, list[torch.fx.Node], list[s
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
         args = (grad, x_bshd, rstd, cos.squeeze(table_dim), sin.squeeze(table_dim), weight, need_weight,
-                need_tables, rope_first)
+                need_tables, rope_first, norm_style)
         if in_graph:
             grad_x, grad_weight, grad_tables = backward_in_graph(*args)
         else:

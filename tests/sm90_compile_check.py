@@ -196,7 +196,8 @@ def variants() -> dict:
     out["control_rope_sum_without_round_sum"] = (_rope_sum_without_round_sum, {}, dict(BLOCK=128), set(), dict(num_warps=4))
     for need in (False, True):
         constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BHQ=32, BTQ=1, BHK=8,
-                          BTK=4, BHV=8, BTV=4, ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need, NORM_FIRST=False)
+                          BTK=4, BHV=8, BTV=4, ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need, NORM_FIRST=False,
+                          ROUND_Y=1, NORM_STYLE=0)
         out[f"backward_elementwise_bf16_d128{'_with_grads' if need else ''}"] = (
             backward._qk_norm_rope_bwd_kernel, bwd_pointers, constexprs, set(),
             dict(num_warps=backward.ELEMENTWISE_NUM_WARPS))
@@ -207,7 +208,7 @@ def variants() -> dict:
                                          ("_with_grads_sliced", True, False, 4)):
         constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BT=backward.ROWS_TOKENS, NS=slices,
                           ROUND=1, CS_ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need, CS_DIRECT=direct,
-                          STAGES=backward.ROWS_STAGES, NORM_FIRST=False)
+                          STAGES=backward.ROWS_STAGES, NORM_FIRST=False, ROUND_Y=1, NORM_STYLE=0)
         out[f"backward_rows_bf16_d128{suffix}"] = (
             backward._qk_norm_rope_bwd_rows_kernel, rows_pointers, constexprs, set(),
             dict(num_warps=backward.ROWS_NUM_WARPS))
@@ -241,6 +242,17 @@ def variants() -> dict:
     for name in ("backward_graph_elementwise_bf16_d128_with_grads", "backward_graph_rows_bf16_d128_with_grads"):
         fn, pointers, constexprs, floats, options = out[name]
         out[f"{name}_norm_first"] = (fn, pointers, dict(constexprs, NORM_FIRST=True), floats, options)
+    # The per-tensor training family (one tensor: HKV 0): the fp32 norm forms, and autocast's fp32
+    # grads, tables and weights with a bf16 x (Qwen3's form, norm first).
+    fn, pointers, constexprs, floats, options = out["backward_graph_rows_bf16_d128_with_grads_norm_first"]
+    one_tensor = dict(constexprs, HKV=0)
+    for style in (1, 2):
+        out[f"backward_graph_rows_one_tensor_norm_style{style}"] = (
+            fn, pointers, dict(one_tensor, NORM_STYLE=style), floats, options)
+    fp32_operands = {name: "*fp32" for name in ("gq_ptr", "gk_ptr", "gv_ptr", "cos_ptr", "sin_ptr", "wq_ptr",
+                                                 "wk_ptr", "gc_ptr", "gs_ptr")}
+    out["backward_graph_rows_one_tensor_autocast"] = (
+        fn, dict(pointers, **fp32_operands), dict(one_tensor, ROUND_Y=0, CS_ROUND=0), floats, options)
     fn, pointers, constexprs, floats, options = out["backward_finish_w1_cs1"]
     out["backward_graph_finish_w1_cs1"] = (
         inductor_source(backward._finish_partials_graph_kernel), pointers,

@@ -55,6 +55,9 @@ VARIANTS = [
     "backward_graph_elementwise_bf16_d128_with_grads", "backward_graph_rows_bf16_d128_with_grads",
     "backward_graph_finish_w1_cs1",
     "backward_graph_elementwise_bf16_d128_with_grads_norm_first", "backward_graph_rows_bf16_d128_with_grads_norm_first",
+    # the per-tensor training family: fp32 norm forms and autocast's fp32 operands
+    "backward_graph_rows_one_tensor_norm_style1", "backward_graph_rows_one_tensor_norm_style2",
+    "backward_graph_rows_one_tensor_autocast",
 ]
 
 
