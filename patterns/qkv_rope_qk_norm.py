@@ -53,7 +53,8 @@ unsqueezed cos/sin. Not matched (no fusion, no wrong result): the official Hunyu
 layout, whose fused rows are grouped per kv head ([q * G, k, v] x Hkv, split at dim 3), the
 norm after the transpose in Qwen3's order (Gemma3), other norm forms, partial rotary, autocast
 (casts before the GEMMs), frozen projection weights with a trainable input (LoRA), and
-``dynamic=True`` without ``specialize_float`` (reported).
+``dynamic=True`` without ``specialize_float`` (reported). The per-tensor family
+(``patterns/qk_norm_rope_backward.py``), which runs next, fuses the norm and RoPE of those.
 
 Variants (one registration each; generated below from ONE search function per structure):
 structure (fused / separate) x bias (no / yes) x dtype family (fp32: no casts; bf16 and fp16:

@@ -451,3 +451,41 @@ def test_gpu_lora_block_backward_is_our_kernel_launched_by_inductor(placement):
     fused, stock_errors = compare_grads(block, reference), compare_grads(stock, reference)
     for name, error in fused.items():
         assert error <= 1.5 * stock_errors[name] + 1e-2, (name, error, stock_errors[name])
+
+
+def _hf_model(family: str) -> nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    geometry = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, num_hidden_layers=2, vocab_size=128, max_position_embeddings=256, use_cache=False)
+    if family == "gemma3":  # one sliding-window layer, one full: two rotary tables
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**geometry, sliding_window=8,
+                                                   layer_types=["sliding_attention", "full_attention"]))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**geometry))
+    with torch.no_grad():  # Gemma's weights are offsets from 1, Qwen3's the factors
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p) + (0.0 if family == "gemma3" else 1.0))
+    return model
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_bf16_autocast"])
+def test_hf_training_step_fuses_what_the_projection_family_cannot(family):
+    """transformers' Gemma3 (the ``1 + w`` norm after the transpose) trained in fp32, and Qwen3 trained
+    under bf16 autocast over fp32 weights (the Trainer's ``bf16=True``), all families installed: every
+    q and k fused by the per-tensor family, gradients equal the unfused graph's (fp32 sums' last bits)."""
+    model = _hf_model("gemma3" if family == "gemma3" else "qwen3")
+    unfused = copy.deepcopy(model)
+    region = torch.autocast("cpu", dtype=torch.bfloat16) if "autocast" in family else contextlib.nullcontext()
+    ids = torch.randint(0, 128, (2, 16))
+    with region:
+        torch.compile(unfused, backend=joint_pass_backend())(input_ids=ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    fusion_pass.install(devices="cpu")
+    with region:
+        torch.compile(model, backend=joint_pass_backend())(input_ids=ids, labels=ids).loss.backward()
+    assert fusion_pass.match_counts() == {FAMILY: 4}, fusion_pass.report()
+    errors = compare_grads(model, unfused)
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]

@@ -345,17 +345,19 @@ def test_fp16_training_uses_the_low_precision_variants():
 
 def test_dynamic_true_is_reported_then_fused_with_specialized_floats():
     """torch.compile(dynamic=True) lifts the norms' eps to graph inputs: reported as a near-miss
-    (a baked-in eps could silently go stale); with specialize_float the region is fused."""
+    (a baked-in eps could silently go stale), and the per-tensor family, which takes eps from the
+    graph, fuses q and k; with specialize_float the projection family fuses the whole region."""
     model = VariantStack([("fused", False, True, False)])
     inputs = _inputs(torch.float32)[:3]
     fusion_pass.install(devices=("cpu",))
     torch.compile(model, backend=joint_pass_backend(), dynamic=True)(*inputs).sum().backward()
-    assert fusion_pass.match_counts() == {}
+    assert fusion_pass.match_counts() == {PER_TENSOR: 2}
     assert [m.reason for m in fusion_pass.near_misses()] == [
         "the norm's eps is a graph input (torch.compile(dynamic=True) lifts floats: "
         "set torch._dynamo.config.specialize_float = True)"
     ]
     torch._dynamo.reset()
+    fusion_pass.reset_report()
     with torch._dynamo.config.patch(specialize_float=True):
         torch.compile(model, backend=joint_pass_backend(), dynamic=True)(*inputs).sum().backward()
     assert fusion_pass.match_counts() == {FAMILY: 1}
