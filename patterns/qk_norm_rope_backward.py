@@ -55,7 +55,7 @@ from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.kernels.qk_norm_rope_backward_op import backward_in_graph
 from fusion_pass.kernels.qkv_rope_qk_norm_backward_triton import NORM_STYLES
-from fusion_pass.kernels.qk_norm_rope_cache_reference import rope_reference
+from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rope_reference
 from fusion_pass.kernels.triton_device import kernels_in_graph
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
 from fusion_pass.patterns.canonical_forms import ORIGIN, canonicalize
@@ -79,7 +79,7 @@ _EPS_EXAMPLE = 1.2345e-5
 
 # --- the region, as model code writes it -----------------------------------------------------
 
-def _region(norm: NormForm, placement: str) -> Callable:
+def _region(norm: NormForm, placement: str, partial_rotary: bool = False) -> Callable:
     """The search function ``(x, weight, cos, sin, eps) -> y`` of one tensor's norm and RoPE
     (without ``weight`` for weight-free norms); cos/sin arrive unsqueezed, as the model's
     ``apply_rotary_pos_emb`` makes them (the unsqueeze is shared by layers, so it stays outside)."""
@@ -87,6 +87,8 @@ def _region(norm: NormForm, placement: str) -> Callable:
         if placement == "rope_first":
             return norm.fn(rope_reference(x, cos, sin), weight, eps)
         normed = norm.fn(x, weight, eps)
+        if partial_rotary:  # GLM-4.5's Glm4MoeAttention, Qwen3-Next, Qwen3.5
+            return partial_rope_reference(normed.transpose(1, 2), cos, sin)
         if placement == "norm_then_transpose":
             return rope_reference(normed.transpose(1, 2), cos, sin)
         if placement == "norm_after_transpose":
@@ -104,11 +106,12 @@ class Variant:
     placement: str
     dtype: torch.dtype  # bf16 stands for every low-precision dtype (the casts are in the graph)
     strided: bool = False  # the [B, H, S, D] input is the transposed view (some norm forms then copy it)
+    partial_rotary: bool = False  # RoPE on the first rotary_dim < head_dim features (reported, not fused)
 
     @property
     def name(self) -> str:
         return f"{self.norm}_{self.placement}_{'fp32' if self.dtype == torch.float32 else 'lowp'}" + (
-            "_strided" if self.strided else "")
+            "_strided" if self.strided else "") + ("_partial_rotary" if self.partial_rotary else "")
 
 
 def _variants() -> tuple[Variant, ...]:
@@ -119,6 +122,9 @@ def _variants() -> tuple[Variant, ...]:
         # The input as the transposed view of [B, S, H, D] (HF's layout: such norm forms copy it)
         if placement in ("norm_after_transpose", "rope_first") and form.copies_strided_input:
             out.append(Variant(name, placement, dtype, strided=True))
+    # Partial rotary in Qwen3's placement, found so that report() can say why it is left alone.
+    out += [Variant(name, "norm_then_transpose", dtype, partial_rotary=True)
+            for name, dtype in itertools.product(NORM_FORMS, (torch.bfloat16, torch.float32))]
     return tuple(out)
 
 
@@ -131,7 +137,8 @@ def _example_inputs(variant: Variant) -> list[torch.Tensor]:
         x = t(batch, seq, heads, head_dim).transpose(1, 2)
     else:
         x = t(batch, heads, seq, head_dim)
-    table = (batch, seq, 1, head_dim) if variant.placement == "rope_before_transpose" else (batch, 1, seq, head_dim)
+    rotary_dim = head_dim // 2 if variant.partial_rotary else head_dim
+    table = (batch, seq, 1, rotary_dim) if variant.placement == "rope_before_transpose" else (batch, 1, seq, rotary_dim)
     inputs = [x, t(head_dim), t(*table), t(*table)]
     if not NORM_FORMS[variant.norm].weighted:
         del inputs[1]
@@ -169,7 +176,7 @@ def _region_pass() -> PatternMatcherPass:
     """One pattern per variant; matches are recorded, the graph (a copy) is not changed."""
     pass_dict = PatternMatcherPass(pass_name="fusion_pass_qk_norm_rope_backward_regions")
     for variant in _variants():
-        search = _region(NORM_FORMS[variant.norm], variant.placement)
+        search = _region(NORM_FORMS[variant.norm], variant.placement, variant.partial_rotary)
         example = _example_inputs(variant)
         scalars = {"eps": _EPS_EXAMPLE}
         pattern = traced_pattern(f"qk_norm_rope_backward_{variant.name}",
@@ -384,9 +391,15 @@ def _role_shape_matches(role: str, value: torch.Tensor, x, weight, cos: set, sin
 
 # --- checks and the replacement -----------------------------------------------------------------
 
+_PARTIAL_ROTARY = ("per-head RMSNorm -> partial RoPE (rotary_dim < head_dim) in training: the backward kernel "
+                   "rotates whole heads (left unfused)")
+
+
 def _refusal(region: _Region) -> str | None:
     """Why the kernel cannot take this region (None: it can)."""
     form = NORM_FORMS[region.variant.norm]
+    if region.variant.partial_rotary:
+        return _PARTIAL_ROTARY
     x, grad = _val(region.x), _val(region.grad)
     cos, sin = _val(next(iter(region.cos))), _val(next(iter(region.sin)))
     weight = _val(region.weight) if region.weight is not None else None
@@ -545,7 +558,8 @@ def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:
                 raise _Refused(reason)
         except _Refused as refused:
             if refused.args[0]:
-                match_report.record_near_miss(FAMILY, refused.args[0])
+                match_report.record_near_miss(FAMILY, _PARTIAL_ROTARY if item.variant.partial_rotary
+                                              else refused.args[0])
             continue
         backward_nodes -= region.backward
         backward_nodes.update(_replace(region))

@@ -329,6 +329,42 @@ def test_autocast_in_hunyuan_order_is_a_near_miss():
     assert "mixed dtypes" in fusion_pass.report()
 
 
+class PartialRotaryBlock(nn.Module):
+    """GLM-4.5's ``Glm4MoeAttention`` prologue: Qwen3's norm, then RoPE on the first half of each head."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM), nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
+        self.q_norm = nn.Parameter(1 + 0.1 * torch.randn(HEAD_DIM))
+        self.k_norm = nn.Parameter(1 + 0.1 * torch.randn(HEAD_DIM))
+
+    def forward(self, x, cos, sin):
+        from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference
+
+        batch, seq, _ = x.shape
+        q = _norm(self.q_proj(x).view(batch, seq, -1, HEAD_DIM), self.q_norm, "qwen3").transpose(1, 2)
+        k = _norm(self.k_proj(x).view(batch, seq, -1, HEAD_DIM), self.k_norm, "qwen3").transpose(1, 2)
+        cos, sin = cos[..., : HEAD_DIM // 2].unsqueeze(1), sin[..., : HEAD_DIM // 2].unsqueeze(1)
+        q, k = partial_rope_reference(q, cos, sin), partial_rope_reference(k, cos, sin)
+        return q.sum(1) + k.sum(1)
+
+
+def test_partial_rotary_is_a_near_miss_with_eager_gradients():
+    """Partial rotary (GLM-4.5, Qwen3-Next, Qwen3.5) in training: found, reported, left unfused."""
+    torch.manual_seed(0)
+    block = PartialRotaryBlock()
+    reference = copy.deepcopy(block)
+    inputs = _inputs(True, False)
+    reference_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    fusion_pass.install(devices="cpu", families=FAMILY)
+    _run(block, inputs, joint_pass_backend())
+    _run(reference, reference_inputs, None)
+    assert not fusion_pass.match_counts().get(FAMILY)
+    assert [(m.reason, n) for m, n in fusion_pass.near_misses().items()] == [(pattern._PARTIAL_ROTARY, 2)]
+    errors = compare_grads(block, reference, [("x", inputs[0], reference_inputs[0])])
+    assert max(errors.values()) < 1e-5
+
+
 @pytest.mark.parametrize("rope_first", [False, True])
 def test_kernel_nodes_equal_the_op(rope_first, monkeypatch):
     """The CUDA form (Triton kernel nodes, traced on CPU tensors and run under the interpreter)
