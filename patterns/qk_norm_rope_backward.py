@@ -171,10 +171,9 @@ def _record(variant: Variant) -> Callable:
     return handler
 
 
-@functools.lru_cache(maxsize=None)
-def _region_pass() -> PatternMatcherPass:
-    """One pattern per variant; matches are recorded, the graph (a copy) is not changed."""
-    pass_dict = PatternMatcherPass(pass_name="fusion_pass_qk_norm_rope_backward_regions")
+def register(pass_dict: PatternMatcherPass) -> None:
+    """One pattern per variant (traced, or loaded from ``pattern_cache``); a match is recorded for
+    ``apply``, the graph matched (a forward copy) is not changed."""
     for variant in _variants():
         search = _region(NORM_FORMS[variant.norm], variant.placement, variant.partial_rotary)
         example = _example_inputs(variant)
@@ -186,12 +185,6 @@ def _region_pass() -> PatternMatcherPass:
             pattern, pass_dict=pass_dict,
             extra_check=retraced_check(search, fwd_only, scalars, (), lambda match: True),
         )(_record(variant))
-    return pass_dict
-
-
-def register(pass_dict: PatternMatcherPass) -> None:
-    """Trace (or load) the region patterns now; matching uses its own pass (``apply``)."""
-    _region_pass()
 
 
 def applies_to(graph: torch.fx.Graph) -> bool:
@@ -272,14 +265,15 @@ def _cone(y: torch.fx.Node, inputs: set) -> set | None:
 
 @dataclasses.dataclass
 class _Region:
-    variant: Variant
+    """A match's region in the joint graph: its inputs and output there (cos/sin: every node the
+    matched table stands for), the backward B and its boundary."""
+
+    found: _Found
     x: torch.fx.Node
     weight: torch.fx.Node | None
     cos: set
     sin: set
     y: torch.fx.Node
-    eps: Any
-    forward: set  # F
     backward: set  # B
     grad: torch.fx.Node  # the incoming gradient of y
     outputs: dict  # role ("x", "weight", "cos", "sin") -> the B node holding that input's gradient
@@ -295,18 +289,35 @@ def _accumulation_leaves(node: torch.fx.Node, backward: set) -> list[torch.fx.No
     return [node]
 
 
-def _sequence_owners(graph: torch.fx.Graph, backward_nodes: set) -> dict[int, torch.fx.Node]:
-    """seq_nr -> the forward node that created the autograd node of that number: the first forward
-    node carrying it (an op that records no autograd node, its inputs not requiring grad, carries
-    the number of the last one that did)."""
-    owners: dict[int, torch.fx.Node] = {}
-    for node in graph.nodes:
-        if node not in backward_nodes and "seq_nr" in node.meta:
-            owners.setdefault(node.meta["seq_nr"], node)
-    return owners
+class _SequenceIndex:
+    """The joint graph's nodes by autograd sequence number, built once per graph (a region looks up
+    its own numbers instead of scanning the graph).
+
+    owners: seq_nr -> the forward node that created the autograd node of that number: the first
+        forward node carrying it (an op that records no autograd node, its inputs not requiring
+        grad, carries the number of the last one that did).
+    derived: seq_nr -> the backward nodes, and the input-less constants (the zeros a slice's
+        gradient is scattered into), carrying it; ``forget`` drops erased ones.
+    """
+
+    def __init__(self, graph: torch.fx.Graph, backward_nodes: set):
+        self.owners: dict[int, torch.fx.Node] = {}
+        self.derived: dict[int, set[torch.fx.Node]] = collections.defaultdict(set)
+        for node in graph.nodes:
+            if "seq_nr" not in node.meta:
+                continue
+            seq_nr = node.meta["seq_nr"]
+            if node not in backward_nodes:
+                self.owners.setdefault(seq_nr, node)
+            if node.op == "call_function" and (node in backward_nodes or not node.all_input_nodes):
+                self.derived[seq_nr].add(node)
+
+    def forget(self, nodes: set) -> None:
+        for node in nodes:
+            self.derived[node.meta.get("seq_nr")].discard(node)
 
 
-def _find_region(found: _Found, backward_nodes: set, owners: dict) -> _Region | None:
+def _find_region(found: _Found, backward_nodes: set, index: _SequenceIndex) -> _Region | None:
     origin = lambda n: n.meta.get(ORIGIN, set())  # noqa: E731
     x = _single(origin(found.x))
     y = _single(origin(found.y))
@@ -318,22 +329,17 @@ def _find_region(found: _Found, backward_nodes: set, owners: dict) -> _Region | 
     region = _cone(y, inputs)
     if region is None:
         raise _Refused(None)  # something else feeds the region: not the modelled code
-    seq_nrs = {n.meta["seq_nr"] for n in region if owners.get(n.meta.get("seq_nr")) in region}
-    backward = {n for n in backward_nodes if n.op == "call_function" and n.meta.get("seq_nr") in seq_nrs}
-    graph = y.graph
-    # Constants of the backward (the zeros a slice's gradient is scattered into) depend on nothing.
-    backward |= {n for n in graph.nodes if n.op == "call_function" and not n.all_input_nodes
-                 and n.meta.get("seq_nr") in seq_nrs and n not in region}
+    seq_nrs = {n.meta["seq_nr"] for n in region if index.owners.get(n.meta.get("seq_nr")) in region}
+    backward = {n for seq_nr in seq_nrs for n in index.derived.get(seq_nr, ())} - region
     if not backward:
         return None  # nothing requires its gradient (or the backward is ours already)
-    changed = True
-    while changed:
-        changed = False
-        for node in backward_nodes:
-            if (node not in backward and node.target is aten.add.Tensor and len(node.all_input_nodes) == 2
-                    and all(a in backward for a in node.all_input_nodes)):
-                backward.add(node)
-                changed = True
+    todo = list(backward)
+    while todo:  # the gradient sums among them
+        for user in todo.pop().users:
+            if (user not in backward and user in backward_nodes and user.target is aten.add.Tensor
+                    and len(user.all_input_nodes) == 2 and all(a in backward for a in user.all_input_nodes)):
+                backward.add(user)
+                todo.append(user)
     incoming = {a for n in backward for a in n.all_input_nodes if a not in backward}
     grads_in = {a for a in incoming if a in backward_nodes and isinstance(_val(a), torch.Tensor)}
     if len(grads_in) != 1:
@@ -366,8 +372,7 @@ def _find_region(found: _Found, backward_nodes: set, owners: dict) -> _Region | 
                            "(an outgoing gradient of unknown input)")
         outputs[next(iter(candidates))] = node
     rsqrts = [n for n in region if n.target is aten.rsqrt.default]
-    return _Region(found.variant, x, weight, cos, sin, y, found.eps, region, backward, grad, outputs,
-                   rsqrts[0] if len(rsqrts) == 1 else None)
+    return _Region(found, x, weight, cos, sin, y, backward, grad, outputs, rsqrts[0] if len(rsqrts) == 1 else None)
 
 
 def _input_roles(node: torch.fx.Node, roles: dict, region: set, seq_nrs_with_backward: set) -> set[str]:
@@ -397,8 +402,8 @@ _PARTIAL_ROTARY = ("per-head RMSNorm -> partial RoPE (rotary_dim < head_dim) in 
 
 def _refusal(region: _Region) -> str | None:
     """Why the kernel cannot take this region (None: it can)."""
-    form = NORM_FORMS[region.variant.norm]
-    if region.variant.partial_rotary:
+    form = NORM_FORMS[region.found.variant.norm]
+    if region.found.variant.partial_rotary:
         return _PARTIAL_ROTARY
     x, grad = _val(region.x), _val(region.grad)
     cos, sin = _val(next(iter(region.cos))), _val(next(iter(region.sin)))
@@ -411,39 +416,39 @@ def _refusal(region: _Region) -> str | None:
     if any(t.dtype != x.dtype for t in tensors):
         # Autocast over an fp32 model, Qwen3's form in Qwen3's order: x bf16 (the projection's output),
         # the weight, the tables and so the output and its gradient fp32. Anything else mixed: refused.
-        autocast = (form.style == "weight" and region.variant.placement != "rope_first"
+        autocast = (form.style == "weight" and region.found.variant.placement != "rope_first"
                     and x.dtype in (torch.bfloat16, torch.float16)
                     and all(t.dtype == torch.float32 for t in tensors if t is not x))
         if not autocast:
             dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors}))
-            return (f"per-head RMSNorm ({region.variant.norm} form) <-> RoPE in training with mixed dtypes "
+            return (f"per-head RMSNorm ({region.found.variant.norm} form) <-> RoPE in training with mixed dtypes "
                     f"({dtypes}): the backward kernel takes one dtype, or autocast's bf16 input with fp32 "
                     "weight and tables for Qwen3's form in Qwen3's order")
     if x.dim() != 4 or x.shape[-1] % 2:
         return f"per-head RMSNorm <-> RoPE in training with input shape {tuple(x.shape)} (expected 4-D, even head_dim)"
     if x.stride(-1) != 1:
         return "per-head RMSNorm <-> RoPE in training on an input with a strided last dim"
-    if region.rstd is None and not isinstance(region.eps, (int, float)):
+    if region.rstd is None and not isinstance(region.found.eps, (int, float)):
         return "per-head RMSNorm <-> RoPE in training without an rsqrt node and with a graph-input eps"
     return None
 
 
 def _kernel_layout(region: _Region) -> tuple[bool, int]:
     """(x arrives as [B, H, S, D], the dim of the tables' unsqueeze)."""
-    placement = region.variant.placement
+    placement = region.found.variant.placement
     return placement in ("norm_after_transpose", "rope_first"), 2 if placement == "rope_before_transpose" else 1
 
 
 def _replacement(region: _Region) -> tuple[Callable, list[torch.fx.Node], list[str]]:
     """A function of graph values returning the new gradients (in ``roles`` order), its inputs."""
     heads_first, table_dim = _kernel_layout(region)
-    form = NORM_FORMS[region.variant.norm]
+    form = NORM_FORMS[region.found.variant.norm]
     norm_style = KERNEL_NORM_STYLE[form.style]
-    rope_first = region.variant.placement == "rope_first"
+    rope_first = region.found.variant.placement == "rope_first"
     roles = list(region.outputs)
     need_weight = "weight" in roles and form.weighted
     need_tables = "cos" in roles or "sin" in roles
-    eps = region.eps
+    eps = region.found.eps
     x_val = _val(region.x)
     batch, seq = (x_val.shape[0], x_val.shape[2]) if heads_first else (x_val.shape[0], x_val.shape[1])
     in_graph = kernels_in_graph(x_val) and all(isinstance(s, int) for s in x_val.shape) and batch * seq > 0
@@ -507,6 +512,8 @@ def _replace(region: _Region) -> list[torch.fx.Node]:
             with graph.inserting_after(anchor):
                 anchor = env[node] = graph.node_copy(node, lambda a: env[a])
             anchor.meta["partitioner_tag"] = "is_backward"
+            # The trace's sequence number is not autograd's: it could make a later region claim these.
+            anchor.meta.pop("seq_nr", None)
             inserted.append(anchor)
     for role, new in zip(roles, results):
         old = region.outputs[role]
@@ -540,17 +547,17 @@ def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:
     copy = _forward_copy(graph, backward_nodes)
     canonicalize(copy.graph)  # a merged duplicate's origins go to the node kept (ORIGIN)
     _found.clear()
-    _region_pass().apply(copy.graph)
+    pass_dict.apply(copy.graph)
     found, seen_outputs = list(_found), set()
     _found.clear()
-    owners = _sequence_owners(graph, backward_nodes)
+    index = _SequenceIndex(graph, backward_nodes)
     count = 0
     for item in found:
         if item.y in seen_outputs:
             continue  # two forms that trace to one graph (fp32)
         seen_outputs.add(item.y)
         try:
-            region = _find_region(item, backward_nodes, owners)
+            region = _find_region(item, backward_nodes, index)
             if region is None:
                 continue
             reason = _refusal(region)
@@ -562,7 +569,8 @@ def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:
                                               else refused.args[0])
             continue
         backward_nodes -= region.backward
+        index.forget(region.backward)
         backward_nodes.update(_replace(region))
-        _variant_counts[region.variant.name] += 1
+        _variant_counts[region.found.variant.name] += 1
         count += 1
     return count

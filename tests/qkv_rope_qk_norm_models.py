@@ -6,6 +6,7 @@
 - ``separate_attention``: Hugging Face's ``HunYuanDenseV1Attention`` itself (separate q/k/v).
 - ``VariantStack``: one block per (structure, bias, norm trainable/frozen, cos/sin constant or
   requiring grad), each with its own input norm, in ONE graph: one compile covers every variant.
+- ``OpCounter``: the ops that ran (a dispatch mode).
 - ``joint_pass_backend``: AOT autograd plus Inductor's joint-graph passes (ours included), then
   the graphs run eagerly: the fusion and its numerics without Inductor's C++ codegen (~11 s per
   graph on the CI machines).
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import torch
@@ -23,6 +25,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import HunYuanDenseV1Config
 from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import (
     HunYuanDenseV1Attention,
@@ -258,6 +261,19 @@ def joint_pass_backend(capture: CapturingPass | None = None):
         fw_compiler=compiler, bw_compiler=compiler, inference_compiler=inference_compiler, partition_fn=partition,
         decompositions=select_decomp_table(), keep_inference_input_mutations=True,
     )
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that run, by name (``counts["aten.mm.default"]``): compiled graphs call our
+    ops through the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def op_counts(graph: torch.fx.Graph) -> dict[str, int]:

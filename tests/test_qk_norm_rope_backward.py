@@ -21,7 +21,7 @@ import fusion_pass
 from fusion_pass.kernels import triton_device
 from fusion_pass.kernels.qk_norm_rope_backward_op import backward_in_graph
 from fusion_pass.patterns import qk_norm_rope_backward as pattern
-from qkv_rope_qk_norm_models import compare_grads, joint_pass_backend, op_counts
+from qkv_rope_qk_norm_models import OpCounter, compare_grads, joint_pass_backend, op_counts
 
 FAMILY = "qk_norm_rope_backward"
 OP = "fusion_pass.qk_norm_rope_backward.default"
@@ -190,25 +190,14 @@ def test_spellings_train_fused_with_eager_gradients(case):
     reference_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
     fusion_pass.install(devices="cpu", families=FAMILY)
     pattern.reset_variant_counts()
-    calls = _OpCalls()
+    calls = OpCounter()
     _run(block, inputs, joint_pass_backend(), calls)
     _run(reference, reference_inputs, None)
     assert fusion_pass.match_counts().get(FAMILY) == 2, fusion_pass.report()
-    assert calls.count == 2  # the backward ran our op, once per tensor
+    assert calls.counts[OP] == 2  # the backward ran our op, once per tensor
     names = [f"input_{i}" for i in range(3)]
     errors = compare_grads(block, reference, list(zip(names, inputs, reference_inputs)))
     assert errors and max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
-
-
-class _OpCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) == OP:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_region_backward_replaces_autograds_nodes():
@@ -418,14 +407,14 @@ def test_hf_qwen3_lora_step_fused_with_eager_gradients(both_families):
     reference = copy.deepcopy(model)
     fusion_pass.install(devices="cpu", families=None if both_families else FAMILY)
     ids = torch.randint(0, 128, (2, 16))
-    calls = _OpCalls()
+    calls = OpCounter()
     loss = torch.compile(model, backend=joint_pass_backend())(input_ids=ids, labels=ids).loss
     with calls:
         loss.backward()
     reference(input_ids=ids, labels=ids).loss.backward()
     assert fusion_pass.match_counts() == {FAMILY: 4}, fusion_pass.report()
     assert "near-miss" not in fusion_pass.report()
-    assert calls.count == 4
+    assert calls.counts[OP] == 4
     errors = compare_grads(model, reference)
     assert errors and max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 

@@ -12,11 +12,10 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusion_pass
 from fusion_pass.patterns import qkv_rope_qk_norm as pattern
-from qkv_rope_qk_norm_models import compare_grads, train_beside_eager
+from qkv_rope_qk_norm_models import OpCounter, compare_grads, train_beside_eager
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 FAMILY = "qkv_rope_qk_norm"
@@ -24,17 +23,6 @@ BWD_OP = "fusion_pass.qkv_rope_qk_norm_backward.default"
 
 GEOMETRY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 num_hidden_layers=2, vocab_size=128, max_position_embeddings=256, use_cache=False)
-
-
-class BackwardOpCalls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) == BWD_OP:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _model(family: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -59,9 +47,9 @@ def test_qwen3_trains_fused_with_eager_gradients():
     compiled = torch.compile(model, options=fusion_pass.options(devices="cpu"))
 
     def backward(loss):
-        with BackwardOpCalls() as ops:
+        with OpCounter() as ops:
             loss.backward()
-        assert ops.calls == 2  # our backward, once per layer
+        assert ops.counts[BWD_OP] == 2  # our backward, once per layer
         assert fusion_pass.match_counts() == {FAMILY: 2}
         assert pattern.variant_counts() == {"separate_nobias_fp32_joint_normgrad_ropeconst_normfirst": 2}
 
@@ -79,9 +67,9 @@ def test_qwen3_moe_layers_fuse_between_graph_breaks():
     compiled = torch.compile(model, options=fusion_pass.options(devices="cpu"))
     ids = torch.randint(0, 128, (2, 16))
     loss = compiled(input_ids=ids, labels=ids).loss
-    with BackwardOpCalls() as ops:
+    with OpCounter() as ops:
         loss.backward()
-    assert ops.calls == 2
+    assert ops.counts[BWD_OP] == 2
     assert fusion_pass.match_counts().get(FAMILY) in (1, 2) and fusion_pass.near_misses() == {}
     reference(input_ids=ids, labels=ids).loss.backward()
     errors = compare_grads(model, reference)

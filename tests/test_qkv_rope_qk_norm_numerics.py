@@ -5,7 +5,6 @@ on Hugging Face's HunYuanDenseV1ForCausalLM and a HunyuanImage-3-style fused-QKV
 
 from __future__ import annotations
 
-import collections
 import copy
 import os
 import subprocess
@@ -18,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import run_and_get_code
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusion_pass
 from fusion_pass.kernels.qkv_rope_qk_norm_reference import (
@@ -29,6 +27,7 @@ from qkv_rope_qk_norm_models import (
     EPS,
     HIDDEN,
     FusedQKVAttention,
+    OpCounter,
     compare_grads,
     joint_pass_backend,
     rope_tables,
@@ -274,18 +273,6 @@ def test_backward_op_dispatches_to_triton_under_the_interpreter():
 # ----------------------------------------------------------------------------------------------
 # End to end: training with the fusion installed.
 # ----------------------------------------------------------------------------------------------
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ops that run (compiled graphs call our ops through the dispatcher)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 BWD_OP = "fusion_pass.qkv_rope_qk_norm_backward.default"
