@@ -1,10 +1,13 @@
-"""LoRA fine-tuning step of transformers' Qwen3 at 8B attention geometry: eager vs stock torch.compile
-vs torch.compile with the pass, in default mode and under CUDA graphs (``mode="reduce-overhead"``).
+"""LoRA fine-tuning step of transformers' Qwen3 (or GLM-4.5) at 8B attention geometry: eager vs stock
+torch.compile vs torch.compile with the pass, in default mode and under CUDA graphs (``mode="reduce-overhead"``).
 
 The model: ``Qwen3ForCausalLM``, hidden 4096, 32 query / 8 kv heads of 128, ``--layers`` layers
 (default 2), bf16, base weights frozen, peft-style LoRA adapters (rank 16) on q/k/v trained with
 AdamW. The projection family cannot fuse this (its weights are frozen); the per-tensor family
-``qk_norm_rope_backward`` fuses q and k of every layer (2 per layer).
+``qk_norm_rope_backward`` fuses q and k of every layer (2 per layer). ``--model glm45``: the same
+geometry as ``Glm4MoeForCausalLM`` (GLM-4.5: ``use_qk_norm``, partial rotary on half of each head,
+dense MLPs). ``--autocast``: the model in fp32, each step under ``torch.autocast("cuda", torch.bfloat16)``
+(the Hugging Face Trainer's ``bf16=True``).
 
 Per variant: gradients of the first step against eager's (max over adapters and norm weights of
 max|g - g_eager| / max|g_eager|), then the median of ``--steps`` timed steps (forward + backward +
@@ -55,12 +58,19 @@ class LoRALinear(nn.Module):
         return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
-def build(layers: int) -> nn.Module:
+def build(layers: int, family: str = "qwen3", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     torch.manual_seed(0)
-    config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=128, num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=8192,
-                         use_cache=False)
-    model = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16)
+    geometry = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=8192,
+                    use_cache=False)
+    if family == "glm45":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+        model = Glm4MoeForCausalLM(Glm4MoeConfig(**geometry, partial_rotary_factor=0.5, use_qk_norm=True,
+                                                 first_k_dense_replace=layers))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**geometry))
+    model = model.to("cuda", dtype)
     model.requires_grad_(False)
     for layer in model.model.layers:
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -70,11 +80,12 @@ def build(layers: int) -> nn.Module:
     return model.train()
 
 
-def step_fn(fn, model, ids):
+def step_fn(fn, model, ids, autocast: bool):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     def step():
-        loss = fn(input_ids=ids, labels=ids).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -101,12 +112,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--model", choices=("qwen3", "glm45"), default="qwen3")
+    p.add_argument("--autocast", action="store_true")
     args = p.parse_args()
-    base = build(args.layers)
+    base = build(args.layers, args.model, torch.float32 if args.autocast else torch.bfloat16)
     ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, transformers=transformers.__version__, layers=args.layers,
-                  batch=args.batch, seq=args.seq, variants={})
+                  batch=args.batch, seq=args.seq, model=args.model, autocast=args.autocast, variants={})
     reference_grads = None
     kept = {}
     for variant, mode in (("eager", None), ("stock", "default"), ("pass", "default"),
@@ -121,7 +134,8 @@ def main() -> None:
             if mode == "reduce-overhead":  # what mode="reduce-overhead" sets (mode and options exclude each other)
                 options = {**options, "triton.cudagraphs": True}
             fn = torch.compile(model, options=options or None)
-        loss = fn(input_ids=ids, labels=ids).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast):
+            loss = fn(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = {n: q.grad.detach().float().clone() for n, q in model.named_parameters() if q.grad is not None}
         entry = dict(mode=mode, loss=loss.item(), matches=fusion_pass.match_counts(),
@@ -133,7 +147,7 @@ def main() -> None:
                 ((g - reference_grads[n]).abs().max() / reference_grads[n].abs().max().clamp_min(1e-30)).item()
                 for n, g in grads.items())
         model.zero_grad(set_to_none=True)
-        step = step_fn(fn, model, ids)
+        step = step_fn(fn, model, ids, args.autocast)
         for _ in range(3):
             step()
         times = time_steps(step, args.steps)
@@ -154,7 +168,8 @@ def main() -> None:
             pass_over_stock=statistics.median(rounds["pass"]) / statistics.median(rounds["stock"]))
         print(mode, result[f"interleaved_{mode}"], flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "training-lora.json"), "w") as f:
+    name = "training-lora" + ("" if args.model == "qwen3" else f"-{args.model}") + ("-autocast" if args.autocast else "")
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -53,17 +53,17 @@ def _check(grad: Tensor, x: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, weig
         fail("x", "an even head_dim (RoPE rotates halves)", head_dim)
     if tuple(rstd.shape) not in ((batch, heads, seq), (batch, heads, seq, 1)):
         fail("rstd", f"[B, H, S] or [B, H, S, 1] = {(batch, heads, seq)}", tuple(rstd.shape))
-    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (seq, head_dim):
-        fail("cos", f"[1 or B, S, D] = [1 or {batch}, {seq}, {head_dim}]", tuple(cos.shape))
+    if (cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1] != seq or not 0 < cos.shape[2] <= head_dim
+            or cos.shape[2] % 2):
+        fail("cos", f"[1 or B, S, R] = [1 or {batch}, {seq}, R], R even and <= D = {head_dim}", tuple(cos.shape))
     if sin.shape != cos.shape:
         fail("sin", f"cos's shape {tuple(cos.shape)}", tuple(sin.shape))
     if tuple(weight.shape) != (head_dim,):
         fail("weight", f"[D] = [{head_dim}]", tuple(weight.shape))
     if norm_style not in NORM_STYLES.values():
         fail("norm_style", f"one of {NORM_STYLES}", norm_style)
-    if grad.dtype != x.dtype and (grad.dtype != torch.float32 or rope_first or norm_style != 0):
-        fail("grad", f"x's dtype {x.dtype} (fp32 with a low-precision x: only Qwen3's norm form in Qwen3's order, "
-                     "as autocast makes it)", grad.dtype)
+    if grad.dtype != x.dtype and grad.dtype != torch.float32:
+        fail("grad", f"x's dtype {x.dtype}, or fp32 with a low-precision x (autocast)", grad.dtype)
     for name, t in (("cos", cos), ("sin", sin), ("weight", weight)):
         if t.dtype != grad.dtype:
             fail(name, f"grad's dtype {grad.dtype}", t.dtype)
@@ -100,7 +100,8 @@ def qk_norm_rope_backward(
         grad: [B, H, S, D] gradient of the region's output (contiguous last dim).
         x: [B, S, H, D] the region's input (a strided view is fine; contiguous last dim).
         rstd: [B, H, S] or [B, H, S, 1], the forward norm's fp32 ``rsqrt(mean(.^2) + eps)``.
-        cos, sin: [Bc, S, D], Bc in {1, B}; weight: [D]. All in grad's dtype, which is x's, or fp32
+        cos, sin: [Bc, S, R], Bc in {1, B}, R = D or, for partial rotary, the rotated features' count
+            (the first R; the rest pass through); weight: [D]. All in grad's dtype, which is x's, or fp32
             with a bf16/fp16 x under autocast (Qwen3's norm form, norm first).
         need_weight_grad, need_cos_sin_grad: which optional gradients to return.
         rope_first: the forward's order (True: RoPE, then the norm).
@@ -109,7 +110,7 @@ def qk_norm_rope_backward(
 
     Returns:
         (grad_x [B, S, H * D] contiguous, ``[grad_weight]`` or ``[]``, ``[grad_cos, grad_sin]``
-        ([Bc, S, D]) or ``[]``).
+        ([Bc, S, R]) or ``[]``).
     """
     _check(grad, x, rstd, cos, sin, weight, rope_first, norm_style)
     batch, seq, heads, head_dim = x.shape

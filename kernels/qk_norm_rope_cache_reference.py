@@ -128,7 +128,9 @@ def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     rotary_dim = cos.shape[-1]
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     x_embed = (x_rot * cos) + (rotate_half(x_rot) * sin)
-    return torch.cat([x_embed, x_pass], dim=-1)
+    # ``.to``: cat's own type promotion (fp32 tables under autocast), written out as the
+    # decomposed training graph has it; a no-op otherwise.
+    return torch.cat([x_embed, x_pass.to(x_embed.dtype)], dim=-1)
 
 
 def rotate_half_interleaved(x: torch.Tensor) -> torch.Tensor:

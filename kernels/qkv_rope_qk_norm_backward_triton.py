@@ -110,13 +110,21 @@ Norm forms (constexpr ``NORM_STYLE``, ``NORM_STYLES``): 0 is the one above, ``y 
 HunYuan; weight-free norms with w = 1); 1 and 2 the fp32 forms ``y = R(x*rstd*w)`` and ``R(x*rstd*(1 + w))``
 (``nn.RMSNorm``, ``F.rms_norm``, Gemma3n; Gemma3, Qwen3-Next, Qwen3.5): there ``gn = g*w`` and the weight
 term ``g*(x*rstd)`` are fp32, unrounded, as autograd has them. Autocast (constexpr ``ROUND_Y``, the
-rounding of the region output's dtype): with NORM_STYLE 0 in Qwen3's order the grads, tables and
-weights may be fp32 while q/k are bf16/fp16; RoPE's backward and the products it feeds then round to
-fp32 (not at all), and only ``gn`` and ``dx`` round to q's dtype, as autograd does for
-``w_fp32 * n.to(bf16)``.
+rounding of the region output's dtype): the grads, tables and weights may be fp32 while q/k are
+bf16/fp16 (bf16 autocast over an fp32 model). Each rounding then follows the dtype autograd computes
+it in: the norm's in its input's (q's when the norm is first, RoPE's fp32 output when RoPE is first:
+``ROUND_N``), RoPE's in the dtype of what it multiplies (fp32 when RoPE is first or follows Qwen3's
+``w_fp32 * n.to(bf16)``, q's after a norm that ends in ``type_as(x)``: ``ROUND_ROPE``), the sums for
+the weight and table grads in fp32, the gradient of the projection in q's dtype.
+
+Partial rotary (constexpr ``ROT_HALF``, half the tables' width R < D; GLM-4.5, Qwen3-Next, Qwen3.5): RoPE
+rotates features [0, R) in pairs (i, i + R/2) and passes [R, D) through. Lane d of the half tiles then
+holds the pair (d, d + R/2) for d < R/2 and two pass-through features otherwise, whose cos and sin
+are loaded as 1 and 0 (``_pair_columns``, ``_table_halves``): the formulas above are unchanged, and a
+RoPE with cos 1 and sin 0 is exact in every rounding (x*1 + y*0 = x). cos/sin grads have width R.
 
 Supported: q/k/grads/cos/sin/norm weights all in one dtype (bf16, fp16, fp32; or the autocast case above), rstd any float dtype,
-any strides with a contiguous last dim, D even, Bc in {1, B}, Hq and Hkv any (GQA). CUDA, or CPU under
+any strides with a contiguous last dim, D even, R even and <= D, Bc in {1, B}, Hq and Hkv any (GQA). CUDA, or CPU under
 ``TRITON_INTERPRET=1``. Callers handle other cases with their PyTorch reference.
 """
 
@@ -249,18 +257,19 @@ def _rope_backward(u1, u2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.const
 
 
 @triton.jit
-def _norm_input_and_grad(q1, q2, g1, g2, c1, c2, s1, s2, ROUND: tl.constexpr, ROUND_Y: tl.constexpr,
-                         INTERP: tl.constexpr, NORM_FIRST: tl.constexpr):
+def _norm_input_and_grad(q1, q2, g1, g2, c1, c2, s1, s2, ROUND_ROPE: tl.constexpr, INTERP: tl.constexpr,
+                         NORM_FIRST: tl.constexpr):
     """The halves of the norm's input x and of the gradient reaching the norm's output, from
     the pre-RoPE q and the incoming grad g: (rope(q) recomputed with eager's roundings, g), or
-    NORM_FIRST (q, RoPE's backward of g)."""
+    NORM_FIRST (q, RoPE's backward of g). ``ROUND_ROPE``: the rounding of RoPE's output dtype
+    (RoPE first) or of its input's (NORM_FIRST): see ``_qk_tile``."""
     if NORM_FIRST:
         x1 = q1
         x2 = q2
-        gy1, gy2 = _rope_backward(g1, g2, c1, c2, s1, s2, ROUND_Y, INTERP)
+        gy1, gy2 = _rope_backward(g1, g2, c1, c2, s1, s2, ROUND_ROPE, INTERP)
     else:  # x = R(R(q*cos) + R(rotate_half(q)*sin))
-        x1 = _rnd_sum(_rnd(q1 * c1, ROUND, INTERP), -_rnd(q2 * s1, ROUND, INTERP), ROUND, INTERP)
-        x2 = _rnd_sum(_rnd(q2 * c2, ROUND, INTERP), _rnd(q1 * s2, ROUND, INTERP), ROUND, INTERP)
+        x1 = _rnd_sum(_rnd(q1 * c1, ROUND_ROPE, INTERP), -_rnd(q2 * s1, ROUND_ROPE, INTERP), ROUND_ROPE, INTERP)
+        x2 = _rnd_sum(_rnd(q2 * c2, ROUND_ROPE, INTERP), _rnd(q1 * s2, ROUND_ROPE, INTERP), ROUND_ROPE, INTERP)
         gy1 = g1
         gy2 = g2
     return x1, x2, gy1, gy2
@@ -339,6 +348,41 @@ def _proj_grad(dx1, dx2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.constex
 
 
 @triton.jit
+def _pair_columns(d, HALF: tl.constexpr, ROT_HALF: tl.constexpr):
+    """The head-dim columns of lane d's two RoPE partners: (d, d + D/2) with full rotary. With
+    partial rotary (the first 2 * ROT_HALF features rotated) lanes d < ROT_HALF hold (d,
+    d + ROT_HALF) and the others two pass-through features, which ``_table_halves`` gives cos 1
+    and sin 0 so that the same formulas leave them unrotated."""
+    if ROT_HALF == HALF:
+        return d, d + HALF
+    else:
+        rot = d < ROT_HALF
+        return tl.where(rot, d, d + ROT_HALF), tl.where(rot, d + ROT_HALF, d + HALF)
+
+
+@triton.jit
+def _table_halves(ptr, mask, d, other, HALF: tl.constexpr, ROT_HALF: tl.constexpr):
+    """fp32 halves (columns d and ROT_HALF + d of a table row at ``ptr``, i.e. ptr already offset by d) of
+    cos or sin; ``other`` (1 for cos, 0 for sin) on the pass-through lanes of partial rotary."""
+    if ROT_HALF == HALF:
+        m = mask
+    else:
+        m = mask & (d < ROT_HALF)
+    a = tl.load(ptr, mask=m, other=other).to(tl.float32)
+    b = tl.load(ptr + ROT_HALF, mask=m, other=other).to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _rotary_mask(mask, d, HALF: tl.constexpr, ROT_HALF: tl.constexpr):
+    """``mask`` restricted to the rotated lanes (the cos/sin grads' columns)."""
+    if ROT_HALF == HALF:
+        return mask
+    else:
+        return mask & (d < ROT_HALF)
+
+
+@triton.jit
 def _qk_tile(
     g_ptr, g_sb, g_sh, g_ss,  # grad of the normed rows [B, H, S, D]
     x_ptr, x_sb, x_ss, x_sh,  # pre-RoPE rows [B, S, H, D]
@@ -351,7 +395,7 @@ def _qk_tile(
     H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BH: tl.constexpr, BT: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
 ):
     """Backward of w * rmsnorm(rope(x)) (NORM_FIRST: of rope(w * rmsnorm(x))) on one [BH heads,
     BT tokens] tile, held as two [BH, BT, D/2] fp32 half tiles (rotate_half is free). Stores
@@ -371,13 +415,16 @@ def _qk_tile(
     m2 = tm[:, None] & dm[None, :]  # [BT, BLOCK_HALF]
     m3 = hm[:, None, None] & m2[None, :, :]
     d3 = d[None, None, :]
+    col1, col2 = _pair_columns(d, HALF, ROT_HALF)
+    col1 = col1[None, None, :]
+    col2 = col2[None, None, :]
 
-    g_off = (h * g_sh)[:, None, None] + (b * g_sb + s * g_ss)[None, :, None] + d3
-    x_off = (h * x_sh)[:, None, None] + (b * x_sb + s * x_ss)[None, :, None] + d3
-    g1 = tl.load(g_ptr + g_off, mask=m3, other=0.0, eviction_policy="evict_first")
-    g2 = tl.load(g_ptr + g_off + HALF, mask=m3, other=0.0, eviction_policy="evict_first")
-    q1 = tl.load(x_ptr + x_off, mask=m3, other=0.0, eviction_policy="evict_first")
-    q2 = tl.load(x_ptr + x_off + HALF, mask=m3, other=0.0, eviction_policy="evict_first")
+    g_off = (h * g_sh)[:, None, None] + (b * g_sb + s * g_ss)[None, :, None]
+    x_off = (h * x_sh)[:, None, None] + (b * x_sb + s * x_ss)[None, :, None]
+    g1 = tl.load(g_ptr + g_off + col1, mask=m3, other=0.0, eviction_policy="evict_first")
+    g2 = tl.load(g_ptr + g_off + col2, mask=m3, other=0.0, eviction_policy="evict_first")
+    q1 = tl.load(x_ptr + x_off + col1, mask=m3, other=0.0, eviction_policy="evict_first")
+    q2 = tl.load(x_ptr + x_off + col2, mask=m3, other=0.0, eviction_policy="evict_first")
     r = tl.load(r_ptr + h[:, None] * r_sh + (b * r_sb + s * r_ss)[None, :],
                 mask=hm[:, None] & tm[None, :], other=0.0)
     # cos/sin loaded straight into the [BH, BT, D/2] layout of the head tiles (zero head stride:
@@ -386,10 +433,8 @@ def _qk_tile(
     zero_h = (h * 0)[:, None, None]
     c_row = cos_ptr + zero_h + (b * cos_sb + s * cos_ss)[None, :, None] + d3
     s_row = sin_ptr + zero_h + (b * sin_sb + s * sin_ss)[None, :, None] + d3
-    c1 = tl.load(c_row, mask=m3, other=0.0).to(tl.float32)
-    c2 = tl.load(c_row + HALF, mask=m3, other=0.0).to(tl.float32)
-    s1 = tl.load(s_row, mask=m3, other=0.0).to(tl.float32)
-    s2 = tl.load(s_row + HALF, mask=m3, other=0.0).to(tl.float32)
+    c1, c2 = _table_halves(c_row, m3, d3, 1.0, HALF, ROT_HALF)
+    s1, s2 = _table_halves(s_row, m3, d3, 0.0, HALF, ROT_HALF)
     g1 = g1.to(tl.float32)
     g2 = g2.to(tl.float32)
     q1 = q1.to(tl.float32)
@@ -398,16 +443,22 @@ def _qk_tile(
 
     g0_1 = g1
     g0_2 = g2
-    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND, ROUND_Y, INTERP, NORM_FIRST)
+    # Autocast (ROUND_Y fp32, x bf16/fp16): the norm rounds to its input's dtype (q's, or RoPE's
+    # fp32 output when RoPE is first); RoPE rounds to the dtype of what it multiplies: the region's
+    # output dtype when RoPE is first or follows Qwen3's ``w_fp32 * n``, q's dtype when it follows a norm
+    # whose output is cast back to x's dtype (the fp32 forms' ``type_as(x)``, weight-free forms).
+    ROUND_N: tl.constexpr = ROUND if NORM_FIRST else ROUND_Y
+    ROUND_ROPE: tl.constexpr = (ROUND_Y if NORM_STYLE == 0 else ROUND) if NORM_FIRST else ROUND_Y
+    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND_ROPE, INTERP, NORM_FIRST)
 
-    gn1 = _grad_normed(g1, w1[None, None, :], ROUND, INTERP, NORM_STYLE)
-    gn2 = _grad_normed(g2, w2[None, None, :], ROUND, INTERP, NORM_STYLE)
+    gn1 = _grad_normed(g1, w1[None, None, :], ROUND_N, INTERP, NORM_STYLE)
+    gn2 = _grad_normed(g2, w2[None, None, :], ROUND_N, INTERP, NORM_STYLE)
 
     # RMSNorm backward in fp32, rounded once (the x.float() cast's backward).
     dot = _sum(gn1 * x1, 2) + _sum(gn2 * x2, 2)  # [BH, BT]
     coef = r * r * r * (dot / D)[:, :, None]
-    dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
-    dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
+    dx1 = _rnd(gn1 * r - x1 * coef, ROUND_N, INTERP)
+    dx2 = _rnd(gn2 * r - x2 * coef, ROUND_N, INTERP)
     u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, None, :],
                                       w2[None, None, :], ROUND, ROUND_Y, INTERP, NORM_FIRST, NORM_STYLE)
 
@@ -420,32 +471,33 @@ def _qk_tile(
     gw2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
     if NEED_W and NEED_CS:
         pw1, pw2, gc1, gc2, gs1, gs2 = tl.reduce(
-            (_weight_grad_term(g1, x1 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE),
-             _weight_grad_term(g2, x2 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE),
+            (_weight_grad_term(g1, x1 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE),
+             _weight_grad_term(g2, x2 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE),
              _rnd(u1 * p1, ROUND_Y, INTERP), _rnd(u2 * p2, ROUND_Y, INTERP),
              _rnd(u1 * p2, ROUND_Y, INTERP), _rnd(u2 * p1, ROUND_Y, INTERP)),
             0, _add6)  # each [BT, BLOCK_HALF]
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_W:
         pw1, pw2 = tl.reduce(
-            (_weight_grad_term(g1, x1 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE),
-             _weight_grad_term(g2, x2 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE)), 0, _add2)
+            (_weight_grad_term(g1, x1 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE),
+             _weight_grad_term(g2, x2 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE)), 0, _add2)
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_CS:
         gc1, gc2, gs1, gs2 = tl.reduce(
             (_rnd(u1 * p1, ROUND_Y, INTERP), _rnd(u2 * p2, ROUND_Y, INTERP),
              _rnd(u1 * p2, ROUND_Y, INTERP), _rnd(u2 * p1, ROUND_Y, INTERP)), 0, _add4)
-    if NEED_CS:
-        cs_row = cs_ptr + t[:, None] * (2 * D) + d[None, :]
-        tl.store(cs_row, gc1, mask=m2)
-        tl.store(cs_row + HALF, gc2, mask=m2)
-        tl.store(cs_row + D, -gs1, mask=m2)
-        tl.store(cs_row + (D + HALF), gs2, mask=m2)
+    if NEED_CS:  # rows of 2 * RW (RW = 2 * ROT_HALF, the tables' width): cos's, then sin's
+        cs_row = cs_ptr + t[:, None] * (4 * ROT_HALF) + d[None, :]
+        mr = _rotary_mask(m2, d[None, :], HALF, ROT_HALF)
+        tl.store(cs_row, gc1, mask=mr)
+        tl.store(cs_row + ROT_HALF, gc2, mask=mr)
+        tl.store(cs_row + 2 * ROT_HALF, -gs1, mask=mr)
+        tl.store(cs_row + 3 * ROT_HALF, gs2, mask=mr)
 
     dq1, dq2 = _proj_grad(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
-    o_off = (h * D)[:, None, None] + (b * o_sb + s * o_ss)[None, :, None] + d3
-    tl.store(o_ptr + o_off, dq1, mask=m3)
-    tl.store(o_ptr + o_off + HALF, dq2, mask=m3)
+    o_off = (h * D)[:, None, None] + (b * o_sb + s * o_ss)[None, :, None]
+    tl.store(o_ptr + o_off + col1, dq1, mask=m3)
+    tl.store(o_ptr + o_off + col2, dq2, mask=m3)
     return gw1, gw2
 
 
@@ -474,7 +526,7 @@ def _qk_norm_rope_bwd_kernel(
     BHQ: tl.constexpr, BTQ: tl.constexpr, BHK: tl.constexpr, BTK: tl.constexpr,
     BHV: tl.constexpr, BTV: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
 ):
     """1-D grid: [q programs | k programs | v programs]. Program (kind, head block hb, group g)
     handles the token tiles g, g + G, g + 2G, ... of that head block (tiles of BH x BT rows)."""
@@ -487,49 +539,52 @@ def _qk_norm_rope_bwd_kernel(
     PK = NKB * GK
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
+    col1, col2 = _pair_columns(d, HALF, ROT_HALF)
     if pid < PQ:
         hb = pid // GQ
         grp = pid - hb * GQ
-        w1 = _effective_weight(tl.load(wq_ptr + d, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
-        w2 = _effective_weight(tl.load(wq_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
+        w1 = _effective_weight(tl.load(wq_ptr + col1, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
+        w2 = _effective_weight(tl.load(wq_ptr + col2, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
         acc1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
         acc2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
-        cs_blk = cs_ws_ptr + hb.to(tl.int64) * M * (2 * D)
+        cs_blk = cs_ws_ptr + hb.to(tl.int64) * M * (4 * ROT_HALF)
         for tt in range(grp, NTT_Q, GQ):
             gw1, gw2 = _qk_tile(
                 gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss,
                 cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dq_ptr, dq_sb, dq_ss, cs_blk,
                 hb * BHQ, tt * BTQ, M, S,
                 HQ, D, HALF, BLOCK_HALF, BHQ, BTQ, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y, NORM_STYLE,
+                ROT_HALF,
             )
             acc1 += gw1
             acc2 += gw2
         if NEED_W:
             row = gw_ws_ptr + pid.to(tl.int64) * D
-            tl.store(row + d, acc1, mask=dmask)
-            tl.store(row + HALF + d, acc2, mask=dmask)
+            tl.store(row + col1, acc1, mask=dmask)
+            tl.store(row + col2, acc2, mask=dmask)
     elif pid < PQ + PK:
         p = pid - PQ
         hb = p // GK
         grp = p - hb * GK
-        w1 = _effective_weight(tl.load(wk_ptr + d, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
-        w2 = _effective_weight(tl.load(wk_ptr + HALF + d, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
+        w1 = _effective_weight(tl.load(wk_ptr + col1, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
+        w2 = _effective_weight(tl.load(wk_ptr + col2, mask=dmask, other=0.0).to(tl.float32), NORM_STYLE)
         acc1 = tl.full([BLOCK_HALF], 0.0, tl.float32)
         acc2 = tl.full([BLOCK_HALF], 0.0, tl.float32)
-        cs_blk = cs_ws_ptr + (NQB + hb).to(tl.int64) * M * (2 * D)
+        cs_blk = cs_ws_ptr + (NQB + hb).to(tl.int64) * M * (4 * ROT_HALF)
         for tt in range(grp, NTT_KV, GK):
             gw1, gw2 = _qk_tile(
                 gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss,
                 cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dk_ptr, dk_sb, dk_ss, cs_blk,
                 hb * BHK, tt * BTK, M, S,
                 HKV, D, HALF, BLOCK_HALF, BHK, BTK, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y, NORM_STYLE,
+                ROT_HALF,
             )
             acc1 += gw1
             acc2 += gw2
         if NEED_W:
             row = gw_ws_ptr + pid.to(tl.int64) * D
-            tl.store(row + d, acc1, mask=dmask)
-            tl.store(row + HALF + d, acc2, mask=dmask)
+            tl.store(row + col1, acc1, mask=dmask)
+            tl.store(row + col2, acc2, mask=dmask)
     else:
         # v: a plain copy from [B, Hkv, S, D] into the projection layout (no upcast).
         p = pid - PQ - PK
@@ -558,32 +613,37 @@ def _qk_head_rows(
     pw1, pw2, gc1, gc2, gs1, gs2,  # [BT, BLOCK_HALF] fp32 accumulators (returned updated)
     D: tl.constexpr, HALF: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
 ):
     """Backward of ``w * rmsnorm(rope(x))`` (NORM_FIRST: of ``rope(w * rmsnorm(x))``) for one
     head on a tile of BT tokens (two [BT, D/2] halves): stores d(proj) and adds this head's terms
     of the norm-weight and cos/sin grads to the accumulators, per token and feature (no reduction
     across threads). The same formulas as ``_qk_tile``."""
-    g_off = g_rows[:, None] + d[None, :]
-    x_off = x_rows[:, None] + d[None, :]
-    g1 = tl.load(g_ptr + g_off, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    g2 = tl.load(g_ptr + g_off + HALF, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    q1 = tl.load(x_ptr + x_off, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    q2 = tl.load(x_ptr + x_off + HALF, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    col1, col2 = _pair_columns(d, HALF, ROT_HALF)
+    col1 = col1[None, :]
+    col2 = col2[None, :]
+    g_off = g_rows[:, None]
+    x_off = x_rows[:, None]
+    g1 = tl.load(g_ptr + g_off + col1, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    g2 = tl.load(g_ptr + g_off + col2, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    q1 = tl.load(x_ptr + x_off + col1, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    q2 = tl.load(x_ptr + x_off + col2, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
     r = tl.load(r_ptr + r_rows, mask=tm, other=0.0).to(tl.float32)[:, None]
 
     g0_1 = g1
     g0_2 = g2
-    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND, ROUND_Y, INTERP, NORM_FIRST)
-    gn1 = _grad_normed(g1, w1[None, :], ROUND, INTERP, NORM_STYLE)
-    gn2 = _grad_normed(g2, w2[None, :], ROUND, INTERP, NORM_STYLE)
+    ROUND_N: tl.constexpr = ROUND if NORM_FIRST else ROUND_Y  # autocast's roundings: see _qk_tile
+    ROUND_ROPE: tl.constexpr = (ROUND_Y if NORM_STYLE == 0 else ROUND) if NORM_FIRST else ROUND_Y
+    x1, x2, g1, g2 = _norm_input_and_grad(q1, q2, g0_1, g0_2, c1, c2, s1, s2, ROUND_ROPE, INTERP, NORM_FIRST)
+    gn1 = _grad_normed(g1, w1[None, :], ROUND_N, INTERP, NORM_STYLE)
+    gn2 = _grad_normed(g2, w2[None, :], ROUND_N, INTERP, NORM_STYLE)
     dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BT]: across the lanes of one warp
     coef = r * r * r * (dot / D)[:, None]
-    dx1 = _rnd(gn1 * r - x1 * coef, ROUND, INTERP)
-    dx2 = _rnd(gn2 * r - x2 * coef, ROUND, INTERP)
+    dx1 = _rnd(gn1 * r - x1 * coef, ROUND_N, INTERP)
+    dx2 = _rnd(gn2 * r - x2 * coef, ROUND_N, INTERP)
     if NEED_W:
-        pw1 += _weight_grad_term(g1, x1 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE)
-        pw2 += _weight_grad_term(g2, x2 * r, ROUND, ROUND_Y, INTERP, NORM_STYLE)
+        pw1 += _weight_grad_term(g1, x1 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE)
+        pw2 += _weight_grad_term(g2, x2 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE)
     if NEED_CS:
         u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, :], w2[None, :],
                                           ROUND, ROUND_Y, INTERP, NORM_FIRST, NORM_STYLE)
@@ -592,9 +652,9 @@ def _qk_head_rows(
         gs1 += _rnd(u1 * p2, ROUND_Y, INTERP)
         gs2 += _rnd(u2 * p1, ROUND_Y, INTERP)
     dq1, dq2 = _proj_grad(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
-    o_off = o_rows[:, None] + d[None, :]
-    tl.store(o_ptr + o_off, dq1, mask=m2)
-    tl.store(o_ptr + o_off + HALF, dq2, mask=m2)
+    o_off = o_rows[:, None]
+    tl.store(o_ptr + o_off + col1, dq1, mask=m2)
+    tl.store(o_ptr + o_off + col2, dq2, mask=m2)
     return pw1, pw2, gc1, gc2, gs1, gs2
 
 
@@ -610,12 +670,14 @@ def _heads_of_slice(
     D: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BLOCK_HALF: tl.constexpr,
     ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
     STAGES: tl.constexpr, NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
+    ROT_HALF: tl.constexpr,
 ):
     """Heads [h_lo, h_hi) of one tensor (q or k) on the program's tokens: the loop over heads,
     software-pipelined STAGES deep, then the weight-grad partial row (summed over the tokens).
     Returns the cos/sin accumulators with these heads' terms added."""
-    w1 = _effective_weight(tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32), NORM_STYLE)
-    w2 = _effective_weight(tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32), NORM_STYLE)
+    col1, col2 = _pair_columns(d, HALF, ROT_HALF)
+    w1 = _effective_weight(tl.load(w_ptr + col1, mask=dm, other=0.0).to(tl.float32), NORM_STYLE)
+    w2 = _effective_weight(tl.load(w_ptr + col2, mask=dm, other=0.0).to(tl.float32), NORM_STYLE)
     pw1 = tl.full([BT, BLOCK_HALF], 0.0, tl.float32)
     pw2 = tl.full([BT, BLOCK_HALF], 0.0, tl.float32)
     g_tok = b * g_sb + s * g_ss
@@ -627,10 +689,10 @@ def _heads_of_slice(
         pw1, pw2, gc1, gc2, gs1, gs2 = _qk_head_rows(
             g_ptr, x_ptr, r_ptr, o_ptr, g_tok + hh * g_sh, x_tok + hh * x_sh, r_tok + hh * r_sh, o_tok + hh * D,
             d, m2, tm, c1, c2, s1, s2, w1, w2, pw1, pw2, gc1, gc2, gs1, gs2, D, HALF, ROUND, INTERP, NEED_W, NEED_CS,
-            NORM_FIRST, ROUND_Y, NORM_STYLE)
+            NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)
     if NEED_W:
-        tl.store(gw_row_ptr + d, _sum(pw1, 0), mask=dm)
-        tl.store(gw_row_ptr + HALF + d, _sum(pw2, 0), mask=dm)
+        tl.store(gw_row_ptr + col1, _sum(pw1, 0), mask=dm)
+        tl.store(gw_row_ptr + col2, _sum(pw2, 0), mask=dm)
     return gc1, gc2, gs1, gs2
 
 
@@ -657,7 +719,7 @@ def _qk_norm_rope_bwd_rows_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
     ROUND: tl.constexpr, CS_ROUND: tl.constexpr, INTERP: tl.constexpr,
     NEED_W: tl.constexpr, NEED_CS: tl.constexpr, CS_DIRECT: tl.constexpr, STAGES: tl.constexpr,
-    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
 ):
     """Token-rows tiling (v5). Program (token tile, head slice) owns BT tokens and slice ``NS``-th
     of the q, k and v heads; it loads the tokens' cos/sin rows once, walks its heads one by one
@@ -681,10 +743,8 @@ def _qk_norm_rope_bwd_rows_kernel(
 
     c_row = (b * cos_sb + s * cos_ss)[:, None] + d[None, :]
     s_row = (b * sin_sb + s * sin_ss)[:, None] + d[None, :]
-    c1 = tl.load(cos_ptr + c_row, mask=m2, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + c_row + HALF, mask=m2, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + s_row, mask=m2, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + s_row + HALF, mask=m2, other=0.0).to(tl.float32)
+    c1, c2 = _table_halves(cos_ptr + c_row, m2, d[None, :], 1.0, HALF, ROT_HALF)
+    s1, s2 = _table_halves(sin_ptr + s_row, m2, d[None, :], 0.0, HALF, ROT_HALF)
     zero = tl.full([BT, BLOCK_HALF], 0.0, tl.float32)
     gc1 = zero
     gc2 = zero
@@ -697,28 +757,30 @@ def _qk_norm_rope_bwd_rows_kernel(
         gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss, dq_ptr, dq_sb, dq_ss,
         wq_ptr, gw_ws_ptr + pid.to(tl.int64) * D, slice_ * CQ, tl.minimum(slice_ * CQ + CQ, HQ),
         b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST, ROUND_Y, NORM_STYLE)
+        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)
     CK: tl.constexpr = (HKV + NS - 1) // NS
     gc1, gc2, gs1, gs2 = _heads_of_slice(
         gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss, dk_ptr, dk_sb, dk_ss,
         wk_ptr, gw_ws_ptr + (P + pid).to(tl.int64) * D, slice_ * CK, tl.minimum(slice_ * CK + CK, HKV),
         b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST, ROUND_Y, NORM_STYLE)
+        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)
 
     if NEED_CS:
         # grad_cos = sum of R(dx*q); grad_sin = sum of R(dx*rotate_half(q)) = [-gs1, gs2].
+        # Table rows are RW = 2 * ROT_HALF wide (D with full rotary).
+        mr = _rotary_mask(m2, d[None, :], HALF, ROT_HALF)
         if CS_DIRECT:  # one slice, one cos row per token: the sums are complete, round once
-            out = t[:, None] * D + d[None, :]
-            tl.store(gc_ptr + out, _round(gc1, CS_ROUND), mask=m2)
-            tl.store(gc_ptr + out + HALF, _round(gc2, CS_ROUND), mask=m2)
-            tl.store(gs_ptr + out, _round(-gs1, CS_ROUND), mask=m2)
-            tl.store(gs_ptr + out + HALF, _round(gs2, CS_ROUND), mask=m2)
+            out = t[:, None] * (2 * ROT_HALF) + d[None, :]
+            tl.store(gc_ptr + out, _round(gc1, CS_ROUND), mask=mr)
+            tl.store(gc_ptr + out + ROT_HALF, _round(gc2, CS_ROUND), mask=mr)
+            tl.store(gs_ptr + out, _round(-gs1, CS_ROUND), mask=mr)
+            tl.store(gs_ptr + out + ROT_HALF, _round(gs2, CS_ROUND), mask=mr)
         else:
-            cs_row = cs_ws_ptr + (slice_.to(tl.int64) * M + t)[:, None] * (2 * D) + d[None, :]
-            tl.store(cs_row, gc1, mask=m2)
-            tl.store(cs_row + HALF, gc2, mask=m2)
-            tl.store(cs_row + D, -gs1, mask=m2)
-            tl.store(cs_row + (D + HALF), gs2, mask=m2)
+            cs_row = cs_ws_ptr + (slice_.to(tl.int64) * M + t)[:, None] * (4 * ROT_HALF) + d[None, :]
+            tl.store(cs_row, gc1, mask=mr)
+            tl.store(cs_row + ROT_HALF, gc2, mask=mr)
+            tl.store(cs_row + 2 * ROT_HALF, -gs1, mask=mr)
+            tl.store(cs_row + 3 * ROT_HALF, gs2, mask=mr)
 
     # v heads of this slice: a plain copy from [B, Hkv, S, D] into the projection layout.
     dv = tl.arange(0, BLOCK_D)
@@ -735,13 +797,13 @@ def _qk_norm_rope_bwd_rows_kernel(
 def _finish_partials_kernel(
     gw_ws_ptr,  # [PA + PB, D] fp32 norm-weight partial rows (NEED_W)
     gqw_ptr, gkw_ptr,  # rows [0, PA) -> grad_q_weight, rows [PA, PA + PB) -> grad_k_weight
-    cs_ws_ptr,  # [NHB, M, 2*D] fp32 cos/sin partial rows (NEED_CS)
-    gc_ptr, gs_ptr,  # grad_cos / grad_sin [Bc, S, D], contiguous
+    cs_ws_ptr,  # [NHB, M, 2*RW] fp32 cos/sin partial rows (NEED_CS)
+    gc_ptr, gs_ptr,  # grad_cos / grad_sin [Bc, S, RW], contiguous (RW: the tables' width, rotary_dim)
     PA, PB, R, M, S, NHB, NB,  # R = Bc * S output rows; NB = B when Bc == 1 < B (sum over b), else 1
     CS_PROGRAMS,  # programs [0, CS_PROGRAMS) do cos/sin, the next 2 * cdiv(D, BLOCK_L) the weights
     D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_2D: tl.constexpr, W_ROUND: tl.constexpr, CS_ROUND: tl.constexpr,
-    NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    NEED_W: tl.constexpr, NEED_CS: tl.constexpr, RW: tl.constexpr,
 ):
     """Both fixed-order sums of the elementwise pass's partials, in one launch (one launch less
     of host time per backward). cos/sin: grad[r] = sum over head blocks (outer) and b (inner) of
@@ -751,19 +813,19 @@ def _finish_partials_kernel(
         if NEED_CS:
             r = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
             c = tl.arange(0, BLOCK_2D)
-            mask = (r < R)[:, None] & (c < 2 * D)[None, :]
+            mask = (r < R)[:, None] & (c < 2 * RW)[None, :]
             # (Names differ between the branches: Triton unifies same-named variables of an if/else.)
             cs_acc = tl.full([BLOCK_T, BLOCK_2D], 0.0, tl.float32)
             row_hb = r  # int64 row of (hb, b = 0)
             for hb in range(0, NHB):
                 row = row_hb
                 for bb in range(0, NB):
-                    cs_acc += tl.load(cs_ws_ptr + row[:, None] * (2 * D) + c[None, :], mask=mask, other=0.0)
+                    cs_acc += tl.load(cs_ws_ptr + row[:, None] * (2 * RW) + c[None, :], mask=mask, other=0.0)
                     row += S
                 row_hb += M
             cs_acc = _round(cs_acc, CS_ROUND)
-            tl.store(gc_ptr + r[:, None] * D + c[None, :], cs_acc, mask=mask & (c < D)[None, :])
-            tl.store(gs_ptr + r[:, None] * D + (c - D)[None, :], cs_acc, mask=mask & (c >= D)[None, :])
+            tl.store(gc_ptr + r[:, None] * RW + c[None, :], cs_acc, mask=mask & (c < RW)[None, :])
+            tl.store(gs_ptr + r[:, None] * RW + (c - RW)[None, :], cs_acc, mask=mask & (c >= RW)[None, :])
     else:
         if NEED_W:
             col_blocks = (D + BLOCK_L - 1) // BLOCK_L
@@ -805,7 +867,7 @@ def _qk_norm_rope_bwd_graph_kernel(
     HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BHQ: tl.constexpr, BTQ: tl.constexpr, BHK: tl.constexpr, BTK: tl.constexpr, BHV: tl.constexpr,
     BTV: tl.constexpr, ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
+    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
 ):
     """``_qk_norm_rope_bwd_kernel`` (the head-tile elementwise kernel) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
@@ -817,7 +879,7 @@ def _qk_norm_rope_bwd_graph_kernel(
         cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, wq_ptr, wk_ptr, dq_ptr, dq_sb, dq_ss, dk_off, dk_sb, dk_ss,
         dv_off, dv_sb, dv_ss, gw_ws_ptr, cs_ws_ptr, M, S, GQ, GK, GV, NTT_Q, NTT_KV, HQ, HKV, D, HALF,
         BLOCK_HALF, BLOCK_D, BHQ, BTQ, BHK, BTK, BHV, BTV, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y,
-        NORM_STYLE,
+        NORM_STYLE, ROT_HALF,
     )
 
 
@@ -836,7 +898,7 @@ def _qk_norm_rope_bwd_rows_graph_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr, ROUND: tl.constexpr,
     CS_ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
     CS_DIRECT: tl.constexpr, STAGES: tl.constexpr, NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr,
-    NORM_STYLE: tl.constexpr,
+    NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
 ):
     """``_qk_norm_rope_bwd_rows_kernel`` (the token-row elementwise kernel) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
@@ -848,7 +910,7 @@ def _qk_norm_rope_bwd_rows_graph_kernel(
         cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, wq_ptr, wk_ptr, dq_ptr, dq_sb, dq_ss, dk_off, dk_sb, dk_ss,
         dv_off, dv_sb, dv_ss, gw_ws_ptr, cs_ws_ptr, gc_ptr, gs_ptr, M, S, P, HQ, HKV, D, HALF, BLOCK_HALF,
         BLOCK_D, BT, NS, ROUND, CS_ROUND, INTERP, NEED_W, NEED_CS, CS_DIRECT, STAGES, NORM_FIRST, ROUND_Y,
-        NORM_STYLE,
+        NORM_STYLE, ROT_HALF,
     )
 
 
@@ -858,7 +920,7 @@ def _finish_partials_graph_kernel(
     R: tl.constexpr, M: tl.constexpr, S: tl.constexpr, NHB: tl.constexpr, NB: tl.constexpr,
     CS_PROGRAMS: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_2D: tl.constexpr, W_ROUND: tl.constexpr, CS_ROUND: tl.constexpr,
-    NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
+    NEED_W: tl.constexpr, NEED_CS: tl.constexpr, RW: tl.constexpr,
 ):
     """``_finish_partials_kernel`` (the finishing sums) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
@@ -866,7 +928,7 @@ def _finish_partials_graph_kernel(
     ``benchmarks/bench_launch_host.py``)."""
     _finish_partials_kernel(
         gw_ws_ptr, gqw_ptr, gkw_ptr, cs_ws_ptr, gc_ptr, gs_ptr, PA, PB, R, M, S, NHB, NB, CS_PROGRAMS, D,
-        BLOCK_P, BLOCK_L, BLOCK_T, BLOCK_2D, W_ROUND, CS_ROUND, NEED_W, NEED_CS,
+        BLOCK_P, BLOCK_L, BLOCK_T, BLOCK_2D, W_ROUND, CS_ROUND, NEED_W, NEED_CS, RW,
     )
 
 
@@ -1071,7 +1133,8 @@ def qk_norm_rope_backward_triton(
             contiguous last dim.
         q: [B, S, Hq, D], k: [B, S, Hkv, D] pre-RoPE projections (strided views, contiguous last dim).
         q_rstd, k_rstd: [B, H, S] (or [B, H, S, 1]) rstd of the forward norms; any float dtype.
-        cos, sin: [Bc, S, D], Bc in {1, B}.
+        cos, sin: [Bc, S, R], Bc in {1, B}; R = D, or an even rotary_dim < D for partial rotary (RoPE on
+            the first R features, the rest passed through, as transformers' GLM-4.5 / Qwen3-Next write it).
         q_weight, k_weight: [D] norm weights.
         grad_q_proj: [B, S, Hq*D] (or [B*S, Hq*D]); grad_k_proj, grad_v_proj: [B, S, Hkv*D]:
             preallocated outputs, written in full (typically views of one [M, qkv_size] buffer).
@@ -1085,7 +1148,7 @@ def qk_norm_rope_backward_triton(
         norm_style: the norm form differentiated, a ``NORM_STYLES`` value.
 
     Returns:
-        (grad_q_weight [D], grad_k_weight [D], grad_cos [Bc, S, D], grad_sin [Bc, S, D]) in the
+        (grad_q_weight [D], grad_k_weight [D], grad_cos [Bc, S, R], grad_sin [Bc, S, R]) in the
         weights' / cos' dtype, None where not requested.
     """
     B, HQ, S, D = grad_q.shape
@@ -1099,9 +1162,10 @@ def qk_norm_rope_backward_triton(
     if tuple(grad_k.shape) != (B, HKV, S, D) or tuple(grad_v.shape) != (B, HKV, S, D):
         raise ValueError("qk_norm_rope_backward_triton: grad_k / grad_v must be [B, Hkv, S, D]")
     Bc = cos.shape[0]
-    if cos.dim() != 3 or Bc not in (1, B) or tuple(cos.shape[1:]) != (S, D) or sin.shape != cos.shape:
-        raise ValueError(f"qk_norm_rope_backward_triton: cos/sin must be [1 or B, S, D], got "
-                         f"{tuple(cos.shape)} / {tuple(sin.shape)}")
+    if (cos.dim() != 3 or Bc not in (1, B) or cos.shape[1] != S or not 0 < cos.shape[2] <= D
+            or cos.shape[2] % 2 or sin.shape != cos.shape):
+        raise ValueError(f"qk_norm_rope_backward_triton: cos/sin must be [1 or B, S, rotary_dim] with an even "
+                         f"rotary_dim <= D = {D}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"qk_norm_rope_backward_triton: dtype {dtype} not in {SUPPORTED_DTYPES}")
     # Each tensor's strides are read once: this function runs on every backward, and at small M
@@ -1113,9 +1177,9 @@ def qk_norm_rope_backward_triton(
     # q, k and the projection grads in x's dtype; the incoming grads, tables and weights in the
     # region output's (y: x's own, or fp32 under autocast for Qwen3's form in Qwen3's order).
     y_dtype = grad_q.dtype
-    if y_dtype != dtype and (rope_first or norm_style != 0 or y_dtype != torch.float32):
+    if y_dtype != dtype and y_dtype != torch.float32:
         raise ValueError(f"qk_norm_rope_backward_triton: grad_q has dtype {y_dtype}, expected q's {dtype} "
-                         "(only Qwen3's norm form in Qwen3's order takes fp32 grads with low-precision q)")
+                         "or fp32 (autocast)")
     for (name, t), st in zip(named, strides):
         expected = dtype if name in ("q", "k") or name.endswith("_proj") else y_dtype
         if t.dtype != expected:
@@ -1230,9 +1294,10 @@ def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weigh
     )
     unused = torch.empty((1,), device=dev, dtype=torch.float32)  # pointer of a constexpr-disabled argument
     grad_cos = grad_sin = None
+    RW = cos.shape[-1]  # rotary_dim: D, or fewer features with partial rotary
     common = dict(HQ=HQ, HKV=HKV, D=D, HALF=D // 2, ROUND=_ROUND_MODE[q.dtype], INTERP=not q.is_cuda,
                   NEED_W=need_w, NEED_CS=need_cs, NORM_FIRST=not rope_first, ROUND_Y=_ROUND_MODE[grad_q.dtype],
-                  NORM_STYLE=norm_style)
+                  NORM_STYLE=norm_style, ROT_HALF=RW // 2)
     if elementwise_tiling(M) == "token_rows":
         plan = _rows_plan(B, S, HQ, HKV, D, Bc, need_w, need_cs,
                           max(1, round(ROWS_PROGRAMS_PER_SM * sm_count(q))) if num_programs is None else num_programs,
@@ -1240,11 +1305,11 @@ def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weigh
         gw_ws = torch.empty((2 * plan.programs, D), device=dev, dtype=torch.float32) if need_w else unused
         cs_ws = unused
         if need_cs and not plan.cs_direct:
-            cs_ws = torch.empty((plan.NS, M, 2 * D), device=dev, dtype=torch.float32)
+            cs_ws = torch.empty((plan.NS, M, 2 * RW), device=dev, dtype=torch.float32)
         gc = gs = unused
         if need_cs and plan.cs_direct:
-            gc = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
-            gs = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
+            gc = torch.empty((Bc, S, RW), device=dev, dtype=cos.dtype)
+            gs = torch.empty((Bc, S, RW), device=dev, dtype=sin.dtype)
         call = TritonCall(_qk_norm_rope_bwd_rows_kernel, (plan.programs,), named_args(
             _qk_norm_rope_bwd_rows_kernel, *leading, gw_ws, cs_ws, gc, gs, M, S, plan.programs,
             BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BT=plan.BT, NS=plan.NS,
@@ -1261,7 +1326,7 @@ def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weigh
                                  ELEMENTWISE_PROGRAMS_PER_SM * sm_count(q), num_programs,
                                  ELEMENTWISE_TILE_ELEMENTS, ELEMENTWISE_MAX_TILES_PER_PROGRAM)
         gw_ws = torch.empty((plan.PQ + plan.PK, D), device=dev, dtype=torch.float32) if need_w else unused
-        cs_ws = torch.empty((plan.nqb + plan.nkb, M, 2 * D), device=dev, dtype=torch.float32) if need_cs else unused
+        cs_ws = torch.empty((plan.nqb + plan.nkb, M, 2 * RW), device=dev, dtype=torch.float32) if need_cs else unused
         call = TritonCall(_qk_norm_rope_bwd_kernel, (plan.programs,), named_args(
             _qk_norm_rope_bwd_kernel, *leading, gw_ws, cs_ws, M, S, plan.GQ, plan.GK, plan.GK, plan.ntt_q,
             plan.ntt_k, BLOCK_HALF=plan.BLOCK_HALF, BLOCK_D=plan.BLOCK_D, BHQ=plan.BHQ, BTQ=plan.BTQ,
@@ -1299,15 +1364,17 @@ def _finish(plan, gw_ws, cs_ws, PA, PB, NHB, need_w, need_cs, q_weight, k_weight
         grad_kw = torch.empty((D,), device=dev, dtype=k_weight.dtype)
     sums_cs = need_cs and plan.cs_programs > 0
     gc = gs = unused
+    RW = cos.shape[-1]
     if sums_cs:
-        gc = torch.empty((Bc, S, D), device=dev, dtype=cos.dtype)
-        gs = torch.empty((Bc, S, D), device=dev, dtype=sin.dtype)
+        gc = torch.empty((Bc, S, RW), device=dev, dtype=cos.dtype)
+        gs = torch.empty((Bc, S, RW), device=dev, dtype=sin.dtype)
     if plan.cs_programs + plan.w_programs:
         call = TritonCall(_finish_partials_kernel, (plan.cs_programs + plan.w_programs,), named_args(
             _finish_partials_kernel, gw_ws, grad_qw, grad_kw, cs_ws, gc, gs,
             PA, PB, Bc * S, B * S, S, NHB, B if Bc == 1 else 1, plan.cs_programs,
             D=D, BLOCK_P=plan.BLOCK_P, BLOCK_L=plan.BLOCK_L, BLOCK_T=plan.BLOCK_T, BLOCK_2D=plan.BLOCK_2D,
-            W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype], NEED_W=need_w, NEED_CS=sums_cs),
+            W_ROUND=_ROUND_MODE[q_weight.dtype], CS_ROUND=_ROUND_MODE[cos.dtype], NEED_W=need_w, NEED_CS=sums_cs,
+            RW=RW),
             _FINISH_NUM_WARPS)
         out = _run(call, ("gqw_ptr", "gkw_ptr") * need_w + ("gc_ptr", "gs_ptr") * sums_cs, in_graph)
         grad_qw, grad_kw = out.get("gqw_ptr", grad_qw), out.get("gkw_ptr", grad_kw)

@@ -27,13 +27,21 @@ import torch
 import torch.nn.functional as F
 
 from .projection_backward import projection_gemms
-from .qk_norm_rope_cache_reference import rope_reference, rotate_half
+from .qk_norm_rope_cache_reference import partial_rope_reference, rope_reference, rotate_half
 
 
 def rotate_half_transposed(u: torch.Tensor) -> torch.Tensor:
     """The adjoint of ``rotate_half``: [u1, u2] -> [u2, -u1] (gradient through rotate_half)."""
     half = u.shape[-1] // 2
     return torch.cat((u[..., half:], -u[..., :half]), dim=-1)
+
+
+def rope_transposed(u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's backward (``partial_rope_reference``'s adjoint in x) of a gradient u [..., D], tables
+    [..., R], R <= D: u*cos + rotate_half^T(u*sin) on the first R features, the rest passed through."""
+    rotary_dim = cos.shape[-1]
+    u_rot = u[..., :rotary_dim]
+    return torch.cat((u_rot * cos + rotate_half_transposed(u_rot * sin), u[..., rotary_dim:]), dim=-1)
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -125,24 +133,25 @@ def _norm_rope_backward_one(
         grad_out: [B, H, S, D] gradient of the normalized output.
         x_pre: [B, H, S, D] the pre-RoPE projection (any strides).
         rstd: [B, H, S] fp32.
-        cos4, sin4: [Bc, 1, S, D].
+        cos4, sin4: [Bc, 1, S, R], R = D or the rotary_dim < D of partial rotary.
         weight: [D] norm weight.
 
     Returns (in fp32, float64 for float64 inputs): grad_p [B, H, S, D], grad_weight [D], the
-    per-element products for grad_cos (u * r) and grad_sin (u * rotate_half(r)), u the gradient
-    of RoPE's output and r its input.
+    per-element products [B, H, S, R] for grad_cos (u * r) and grad_sin (u * rotate_half(r)), u the
+    gradient of RoPE's output and r its input (their rotated features).
     """
     dtype = x_pre.dtype
     acc = stats_dtype(dtype)
     cos_a, sin_a = cos4.to(acc), sin4.to(acc)
     # The norm's input x (rope(p) recomputed with the forward's roundings, or p), its normalized row.
-    x = rope_reference(x_pre, cos4, sin4) if rope_first else x_pre
+    rotary_dim = cos4.shape[-1]
+    x = partial_rope_reference(x_pre, cos4, sin4) if rope_first else x_pre
     rstd = rstd.to(acc).unsqueeze(-1)
     n = x.to(acc) * rstd
     n_rounded = n.to(dtype).to(acc)  # eager multiplies the weight by the rounded row
     g = grad_out.to(acc)
     if not rope_first:  # the gradient reaching the norm's output: RoPE's backward of grad_out
-        g = g * cos_a + rotate_half_transposed(g * sin_a)
+        g = rope_transposed(g, cos_a, sin_a)
     grad_weight = (g * (n_rounded if norm_style == 0 else n)).sum(dim=(0, 1, 2))
     weight_eff = weight.to(acc) + 1 if norm_style == 2 else weight.to(acc)
     g_n = g * weight_eff
@@ -154,11 +163,12 @@ def _norm_rope_backward_one(
             normed = (weight * n_rounded.to(dtype)).to(acc)
         else:
             normed = (n * weight_eff).to(dtype).to(acc)
-        u = grad_out.to(acc)
+        u, normed = grad_out.to(acc)[..., :rotary_dim], normed[..., :rotary_dim]
         return grad_x, grad_weight, u * normed, u * rotate_half(normed)
-    p = x_pre.to(acc)
-    grad_p = grad_x * cos_a + rotate_half_transposed(grad_x * sin_a)
-    return grad_p, grad_weight, grad_x * p, grad_x * rotate_half(p)
+    p = x_pre.to(acc)[..., :rotary_dim]
+    grad_p = rope_transposed(grad_x, cos_a, sin_a)
+    u = grad_x[..., :rotary_dim]
+    return grad_p, grad_weight, u * p, u * rotate_half(p)
 
 
 def _sum_to_rope_table(products: torch.Tensor, batch_cos: int) -> torch.Tensor:
@@ -197,7 +207,7 @@ def qk_norm_rope_backward_reference(
             strides, contiguous last dim).
         q [B, S, Hq, D], k [B, S, Hkv, D]: the pre-RoPE projections (strided views).
         q_rstd [B, Hq, S], k_rstd [B, Hkv, S]: fp32 reciprocal RMS saved by the forward.
-        cos, sin [Bc, S, D]; q_weight, k_weight [D].
+        cos, sin [Bc, S, R] (R = D, or rotary_dim < D: partial rotary); q_weight, k_weight [D].
         grad_q_proj [B, S, Hq * D], grad_k_proj / grad_v_proj [B, S, Hkv * D]: preallocated
             outputs (views of one [M, qkv_size] buffer, or three buffers), written here.
         need_weight_grad: compute the norm weights' gradients.

@@ -66,9 +66,10 @@ FAMILY = "qk_norm_rope_backward"
 aten = torch.ops.aten
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: ``NormForm.style`` -> the kernel's ``NORM_STYLES`` value: weight-free forms are Qwen3's with a
-#: weight of ones (``w * R(n)`` with w = 1 is ``R(n)``).
-KERNEL_NORM_STYLE = {"weight": NORM_STYLES["weight"], "no_weight": NORM_STYLES["weight"],
+#: ``NormForm.style`` -> the kernel's ``NORM_STYLES`` value: weight-free forms are the fp32 weight's
+#: with a weight of ones (``R(n * 1)`` is ``R(n)``; like those forms, they end in x's dtype, which
+#: decides the rounding of RoPE's backward under autocast).
+KERNEL_NORM_STYLE = {"weight": NORM_STYLES["weight"], "no_weight": NORM_STYLES["fp32_weight"],
                      "fp32_weight": NORM_STYLES["fp32_weight"],
                      "fp32_one_plus_weight": NORM_STYLES["fp32_one_plus_weight"]}
 
@@ -106,11 +107,13 @@ class Variant:
     placement: str
     dtype: torch.dtype  # bf16 stands for every low-precision dtype (the casts are in the graph)
     strided: bool = False  # the [B, H, S, D] input is the transposed view (some norm forms then copy it)
-    partial_rotary: bool = False  # RoPE on the first rotary_dim < head_dim features (reported, not fused)
+    partial_rotary: bool = False  # RoPE on the first rotary_dim < head_dim features, the rest passed through
+    autocast: bool = False  # bf16 x with fp32 weight and tables, where that traces otherwise than all-bf16
 
     @property
     def name(self) -> str:
-        return f"{self.norm}_{self.placement}_{'fp32' if self.dtype == torch.float32 else 'lowp'}" + (
+        dtype = "autocast" if self.autocast else "fp32" if self.dtype == torch.float32 else "lowp"
+        return f"{self.norm}_{self.placement}_{dtype}" + (
             "_strided" if self.strided else "") + ("_partial_rotary" if self.partial_rotary else "")
 
 
@@ -122,9 +125,17 @@ def _variants() -> tuple[Variant, ...]:
         # The input as the transposed view of [B, S, H, D] (HF's layout: such norm forms copy it)
         if placement in ("norm_after_transpose", "rope_first") and form.copies_strided_input:
             out.append(Variant(name, placement, dtype, strided=True))
-    # Partial rotary in Qwen3's placement, found so that report() can say why it is left alone.
+    # Partial rotary (GLM-4.5, Qwen3-Next, Qwen3.5), in the placement those models use.
     out += [Variant(name, "norm_then_transpose", dtype, partial_rotary=True)
             for name, dtype in itertools.product(NORM_FORMS, (torch.bfloat16, torch.float32))]
+    # Autocast graphs the all-bf16 patterns miss: an fp32 weight drops the form's ``weight.float()``,
+    # and partial rotary after a norm ending in x's dtype concatenates RoPE's fp32 output with the
+    # bf16 pass-through features (a promotion in the graph). RoPE first, the region is fp32 after it.
+    for name, form in NORM_FORMS.items():
+        if form.casts_weight:
+            out += [Variant(name, placement, torch.bfloat16, autocast=True) for placement in PLACEMENTS[:3]]
+        if form.style != "weight":
+            out.append(Variant(name, "norm_then_transpose", torch.bfloat16, partial_rotary=True, autocast=True))
     return tuple(out)
 
 
@@ -139,7 +150,8 @@ def _example_inputs(variant: Variant) -> list[torch.Tensor]:
         x = t(batch, heads, seq, head_dim)
     rotary_dim = head_dim // 2 if variant.partial_rotary else head_dim
     table = (batch, seq, 1, rotary_dim) if variant.placement == "rope_before_transpose" else (batch, 1, seq, rotary_dim)
-    inputs = [x, t(head_dim), t(*table), t(*table)]
+    t32 = functools.partial(torch.empty, dtype=torch.float32) if variant.autocast else t
+    inputs = [x, t32(head_dim), t32(*table), t32(*table)]
     if not NORM_FORMS[variant.norm].weighted:
         del inputs[1]
     return inputs
@@ -396,15 +408,8 @@ def _role_shape_matches(role: str, value: torch.Tensor, x, weight, cos: set, sin
 
 # --- checks and the replacement -----------------------------------------------------------------
 
-_PARTIAL_ROTARY = ("per-head RMSNorm -> partial RoPE (rotary_dim < head_dim) in training: the backward kernel "
-                   "rotates whole heads (left unfused)")
-
-
 def _refusal(region: _Region) -> str | None:
     """Why the kernel cannot take this region (None: it can)."""
-    form = NORM_FORMS[region.found.variant.norm]
-    if region.found.variant.partial_rotary:
-        return _PARTIAL_ROTARY
     x, grad = _val(region.x), _val(region.grad)
     cos, sin = _val(next(iter(region.cos))), _val(next(iter(region.sin)))
     weight = _val(region.weight) if region.weight is not None else None
@@ -414,20 +419,22 @@ def _refusal(region: _Region) -> str | None:
     if x.dtype not in SUPPORTED_DTYPES:
         return f"per-head RMSNorm <-> RoPE in training in {x.dtype} (the backward kernel takes bf16, fp16, fp32)"
     if any(t.dtype != x.dtype for t in tensors):
-        # Autocast over an fp32 model, Qwen3's form in Qwen3's order: x bf16 (the projection's output),
-        # the weight, the tables and so the output and its gradient fp32. Anything else mixed: refused.
-        autocast = (form.style == "weight" and region.found.variant.placement != "rope_first"
-                    and x.dtype in (torch.bfloat16, torch.float16)
+        # Autocast over an fp32 model: x bf16 (the projection's output), the weight, the tables and so the
+        # output and its gradient fp32. Anything else mixed: refused.
+        autocast = (x.dtype in (torch.bfloat16, torch.float16)
                     and all(t.dtype == torch.float32 for t in tensors if t is not x))
         if not autocast:
             dtypes = ", ".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors}))
             return (f"per-head RMSNorm ({region.found.variant.norm} form) <-> RoPE in training with mixed dtypes "
-                    f"({dtypes}): the backward kernel takes one dtype, or autocast's bf16 input with fp32 "
-                    "weight and tables for Qwen3's form in Qwen3's order")
+                    f"({dtypes}): the backward kernel takes one dtype, or autocast's bf16/fp16 input with fp32 "
+                    "weight, tables and gradient")
     if x.dim() != 4 or x.shape[-1] % 2:
         return f"per-head RMSNorm <-> RoPE in training with input shape {tuple(x.shape)} (expected 4-D, even head_dim)"
     if x.stride(-1) != 1:
         return "per-head RMSNorm <-> RoPE in training on an input with a strided last dim"
+    if cos.shape[-1] % 2 or cos.shape[-1] > x.shape[-1]:
+        return (f"per-head RMSNorm <-> RoPE in training with rotary_dim {cos.shape[-1]} (the backward kernel "
+                f"takes an even rotary_dim <= head_dim {x.shape[-1]})")
     if region.rstd is None and not isinstance(region.found.eps, (int, float)):
         return "per-head RMSNorm <-> RoPE in training without an rsqrt node and with a graph-input eps"
     return None
@@ -460,7 +467,7 @@ def _replacement(region: _Region) -> tuple[Callable, list[torch.fx.Node], list[s
         elif not heads_first:
             rstd = rstd.transpose(1, 2)  # the norm ran on [B, S, H, D]
         if weight is None:
-            weight = x.new_ones(x.shape[-1])
+            weight = grad.new_ones(x.shape[-1])  # in the output's dtype, as the kernel takes weights
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
         args = (grad, x_bshd, rstd, cos.squeeze(table_dim), sin.squeeze(table_dim), weight, need_weight,
@@ -565,8 +572,7 @@ def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:
                 raise _Refused(reason)
         except _Refused as refused:
             if refused.args[0]:
-                match_report.record_near_miss(FAMILY, _PARTIAL_ROTARY if item.variant.partial_rotary
-                                              else refused.args[0])
+                match_report.record_near_miss(FAMILY, refused.args[0])
             continue
         backward_nodes -= region.backward
         index.forget(region.backward)

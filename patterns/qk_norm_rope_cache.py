@@ -270,6 +270,8 @@ class NormForm:
     style: the op's ``norm`` argument that computes it bit for bit (``NORM_STYLES``).
     fn: the model code, ``fn(x, weight, eps)`` (weight None for weight-free forms); traced,
         it is the graph matched.
+    casts_weight: the graph has ``weight.float()``, which an fp32 weight (autocast over an fp32
+        model) does not have: the training family registers such forms once more for autocast.
     copies_strided_input: the graph has a ``clone`` when the norm's input is dense but not
         contiguous (torch's rms_norm decomposition makes its result contiguous; the fp32 upcast
         of a sliced input is contiguous already): with the ``"bhsd"`` layout, whose input is
@@ -279,6 +281,7 @@ class NormForm:
     style: str
     fn: Callable
     copies_strided_input: bool = False
+    casts_weight: bool = False
 
     @property
     def weighted(self) -> bool:
@@ -287,11 +290,11 @@ class NormForm:
 
 NORM_FORMS = {
     "qwen3": NormForm("weight", rms_norm_reference),
-    "gemma3": NormForm("fp32_one_plus_weight", gemma_rms_norm_reference),
+    "gemma3": NormForm("fp32_one_plus_weight", gemma_rms_norm_reference, casts_weight=True),
     "torch_rms_norm": NormForm("fp32_weight", torch_rms_norm_reference, copies_strided_input=True),
     "torch_rms_norm_no_weight": NormForm("no_weight", lambda x, weight, eps: torch_rms_norm_reference(x, None, eps),
                                          copies_strided_input=True),
-    "gemma3n": NormForm("fp32_weight", gemma3n_rms_norm_reference),
+    "gemma3n": NormForm("fp32_weight", gemma3n_rms_norm_reference, casts_weight=True),
     "afmoe": NormForm("fp32_weight", weight_first_fp32_rms_norm_reference),
     "pow_no_weight": NormForm("no_weight", lambda x, weight, eps: gemma3n_rms_norm_reference(x, None, eps)),
 }

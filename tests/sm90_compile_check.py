@@ -197,7 +197,7 @@ def variants() -> dict:
     for need in (False, True):
         constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BHQ=32, BTQ=1, BHK=8,
                           BTK=4, BHV=8, BTV=4, ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need, NORM_FIRST=False,
-                          ROUND_Y=1, NORM_STYLE=0)
+                          ROUND_Y=1, NORM_STYLE=0, ROT_HALF=64)
         out[f"backward_elementwise_bf16_d128{'_with_grads' if need else ''}"] = (
             backward._qk_norm_rope_bwd_kernel, bwd_pointers, constexprs, set(),
             dict(num_warps=backward.ELEMENTWISE_NUM_WARPS))
@@ -208,7 +208,7 @@ def variants() -> dict:
                                          ("_with_grads_sliced", True, False, 4)):
         constexprs = dict(HQ=32, HKV=8, D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BT=backward.ROWS_TOKENS, NS=slices,
                           ROUND=1, CS_ROUND=1, INTERP=False, NEED_W=need, NEED_CS=need, CS_DIRECT=direct,
-                          STAGES=backward.ROWS_STAGES, NORM_FIRST=False, ROUND_Y=1, NORM_STYLE=0)
+                          STAGES=backward.ROWS_STAGES, NORM_FIRST=False, ROUND_Y=1, NORM_STYLE=0, ROT_HALF=64)
         out[f"backward_rows_bf16_d128{suffix}"] = (
             backward._qk_norm_rope_bwd_rows_kernel, rows_pointers, constexprs, set(),
             dict(num_warps=backward.ROWS_NUM_WARPS))
@@ -217,7 +217,7 @@ def variants() -> dict:
         out[f"{name}_as_inductor_emits_it"] = (inductor_source(fn), pointers, constexprs, floats, options)
     for need_w, need_cs in ((True, True), (True, False), (False, True)):
         constexprs = dict(D=128, BLOCK_P=256, BLOCK_L=32, BLOCK_T=16, BLOCK_2D=256, W_ROUND=1, CS_ROUND=1,
-                          NEED_W=need_w, NEED_CS=need_cs)
+                          NEED_W=need_w, NEED_CS=need_cs, RW=128)
         out[f"backward_finish_w{int(need_w)}_cs{int(need_cs)}"] = (
             backward._finish_partials_kernel, {"gw_ws_ptr": "*fp32", "cs_ws_ptr": "*fp32"}, constexprs,
             set(), dict(num_warps=4))
@@ -253,6 +253,11 @@ def variants() -> dict:
                                                  "wk_ptr", "gc_ptr", "gs_ptr")}
     out["backward_graph_rows_one_tensor_autocast"] = (
         fn, dict(pointers, **fp32_operands), dict(one_tensor, ROUND_Y=0, CS_ROUND=0), floats, options)
+    # Partial rotary, GLM-4.5's half of a 128-wide head (tables 64 wide), in both tilings.
+    partial = dict(ROT_HALF=32, cos_ss=64, sin_ss=64)
+    out["backward_graph_rows_one_tensor_partial_rotary"] = (fn, pointers, dict(one_tensor, **partial), floats, options)
+    fn, pointers, constexprs, floats, options = out["backward_graph_elementwise_bf16_d128_with_grads_norm_first"]
+    out["backward_graph_elementwise_partial_rotary"] = (fn, pointers, dict(constexprs, **partial), floats, options)
     fn, pointers, constexprs, floats, options = out["backward_finish_w1_cs1"]
     out["backward_graph_finish_w1_cs1"] = (
         inductor_source(backward._finish_partials_graph_kernel), pointers,

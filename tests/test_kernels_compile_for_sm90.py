@@ -57,7 +57,8 @@ VARIANTS = [
     "backward_graph_elementwise_bf16_d128_with_grads_norm_first", "backward_graph_rows_bf16_d128_with_grads_norm_first",
     # the per-tensor training family: fp32 norm forms and autocast's fp32 operands
     "backward_graph_rows_one_tensor_norm_style1", "backward_graph_rows_one_tensor_norm_style2",
-    "backward_graph_rows_one_tensor_autocast",
+    "backward_graph_rows_one_tensor_autocast", "backward_graph_rows_one_tensor_partial_rotary",
+    "backward_graph_elementwise_partial_rotary",
 ]
 
 

@@ -53,13 +53,14 @@ def _norm(x, weight, spelling):
 
 
 def _rotate(x, spelling):
+    half = x.shape[-1] // 2
     if spelling == "slices":
-        return torch.cat((-x[..., HEAD_DIM // 2:], x[..., :HEAD_DIM // 2]), dim=-1)
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     if spelling == "chunk":
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
     if spelling == "lookalike":  # not a rotation: the first half negated in place
-        return torch.cat((-x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]), dim=-1)
+        return torch.cat((-x[..., :half], x[..., half:]), dim=-1)
     if spelling == "unflatten":
         x1, x2 = x.unflatten(-1, (2, -1)).unbind(-2)
         return torch.cat((-x2, x1), dim=-1)
@@ -83,11 +84,13 @@ class LoRALinear(nn.Module):
 
 
 class SpelledBlock(nn.Module):
-    """q/k/v projection -> per-head norm <-> RoPE -> SDPA, spelled per ``spelling``."""
+    """q/k/v projection -> per-head norm <-> RoPE -> SDPA, spelled per the arguments. ``rotary_dim``:
+    RoPE on the first features only, as GLM-4.5 / Qwen3-Next / Qwen3.5 write it (partial rotary)."""
 
-    def __init__(self, projection="separate", norm="qwen3", rotate="slices", placement="qwen3"):
+    def __init__(self, projection="separate", norm="qwen3", rotate="slices", placement="qwen3", rotary_dim=HEAD_DIM):
         super().__init__()
         self.projection, self.norm, self.rotate, self.placement = projection, norm, rotate, placement
+        self.rotary_dim = rotary_dim
         sizes = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
         if projection.startswith("fused"):
             self.qkv = nn.Linear(HIDDEN, sum(sizes), bias=False)
@@ -111,10 +114,17 @@ class SpelledBlock(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def _rope(self, x, cos, sin):
-        return x * cos + _rotate(x, self.rotate) * sin
+        if self.rotary_dim == HEAD_DIM:
+            return x * cos + _rotate(x, self.rotate) * sin
+        rotary_dim = cos.shape[-1]  # transformers' Glm4MoeAttention / Qwen3NextAttention
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat([x_rot * cos + _rotate(x_rot, self.rotate) * sin, x_pass], dim=-1)
 
     def forward(self, x, cos, sin):
         batch, seq, _ = x.shape
+        if self.rotary_dim < HEAD_DIM:  # the model's rotary embedding makes rotary_dim-wide tables
+            half = self.rotary_dim // 2
+            cos, sin = torch.cat((cos[..., :half], cos[..., :half]), -1), torch.cat((sin[..., :half], sin[..., :half]), -1)
         q, k, v = (t.view(batch, seq, -1, HEAD_DIM) for t in self._project(x))
         q_weight, k_weight = self.q_norm, self.k_norm
         if self.placement == "qwen3":  # norm on [B, S, H, D], transpose, RoPE
@@ -160,12 +170,15 @@ CASES = {
     "hunyuan_order_lora_chunk": (dict(placement="hunyuan", projection="lora", rotate="chunk"), True, False),
     "tables_require_grad": (dict(), True, True),
     "hunyuan_order_tables_require_grad": (dict(placement="hunyuan"), True, True),
+    "partial_rotary_glm45": (dict(rotary_dim=HEAD_DIM // 2), True, False),
+    "partial_rotary_qwen3_next_norm_tables_require_grad": (dict(norm="gemma3", rotary_dim=HEAD_DIM // 4), True, True),
+    "partial_rotary_lora_chunk": (dict(projection="lora", rotate="chunk", rotary_dim=HEAD_DIM // 2), True, False),
 }
 
 
-def _inputs(input_grad: bool, tables_grad: bool, dtype=torch.float32):
-    x = torch.randn(2, 8, HIDDEN, dtype=dtype, requires_grad=input_grad)
-    angles = torch.randn(1, 8, HEAD_DIM // 2, dtype=torch.float32)
+def _inputs(input_grad: bool, tables_grad: bool, dtype=torch.float32, seq: int = 8):
+    x = torch.randn(2, seq, HIDDEN, dtype=dtype, requires_grad=input_grad)
+    angles = torch.randn(1, seq, HEAD_DIM // 2, dtype=torch.float32)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     return x, cos.requires_grad_(tables_grad), sin.requires_grad_(tables_grad)
@@ -265,6 +278,8 @@ BF16_CASES = {
     "gemma3n_pow_rope_before_transpose": dict(norm="gemma3n", placement="gemma3n"),
     "f_rms_norm_hunyuan_order": dict(norm="f_rms_norm", placement="hunyuan", projection="lora"),
     "no_weight_chunk": dict(norm="pow_minus_half_no_weight", rotate="chunk"),
+    "partial_rotary_gemma3_norm": dict(norm="gemma3", rotary_dim=HEAD_DIM // 4),
+    "partial_rotary_f_rms_norm": dict(norm="f_rms_norm", rotary_dim=HEAD_DIM // 2),
 }
 
 
@@ -287,14 +302,30 @@ def test_bf16_norm_forms_equal_the_unfused_graph(case):
     assert max(errors.values()) == 0, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
-def test_autocast_over_an_fp32_model_fuses_like_the_unfused_graph():
-    """bf16 autocast over an fp32 model (the Hugging Face Trainer's ``bf16=True``), Qwen3's form and
-    order: bf16 projection outputs, fp32 weights, tables and region output. Fused, with the unfused
-    graph's gradients (the fp32 weight-grad sum may differ in its last bits: summation order)."""
+AUTOCAST_CASES = {
+    # name: SpelledBlock kwargs (all with LoRA projections, tables requiring grad)
+    "qwen3": dict(),
+    "hunyuan_order": dict(placement="hunyuan"),
+    "gemma3_one_plus_weight": dict(norm="gemma3", placement="gemma3"),
+    "gemma3n_rope_before_transpose": dict(norm="gemma3n", placement="gemma3n"),
+    "f_rms_norm_hunyuan_order": dict(norm="f_rms_norm", placement="hunyuan"),
+    "no_weight": dict(norm="pow_minus_half_no_weight"),
+    "partial_rotary_qwen3_next": dict(norm="gemma3", rotary_dim=HEAD_DIM // 2),
+    "partial_rotary_f_rms_norm": dict(norm="f_rms_norm", rotary_dim=HEAD_DIM // 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AUTOCAST_CASES))
+def test_autocast_over_an_fp32_model_fuses_like_the_unfused_graph(case):
+    """bf16 autocast over an fp32 model (the Hugging Face Trainer's ``bf16=True``): bf16 projection
+    outputs, fp32 weights and tables, each form ending in its own dtype (fp32 after Qwen3's
+    ``w * n`` or RoPE, x's after ``type_as(x)``). Fused, with the unfused graph's gradients: fp32
+    sums may differ in their last bits (summation order), and a dot product summed in another order
+    can flip one bf16 rounding of the norm's input grad (seen once in 20 such blocks: 2.2e-4)."""
     torch.manual_seed(0)
-    block = SpelledBlock(projection="lora")
+    block = SpelledBlock(projection="lora", **AUTOCAST_CASES[case])
     unfused = copy.deepcopy(block)
-    inputs = _inputs(True, False)
+    inputs = _inputs(True, True)
     unfused_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _run(unfused, unfused_inputs, joint_pass_backend())
@@ -303,68 +334,34 @@ def test_autocast_over_an_fp32_model_fuses_like_the_unfused_graph():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _run(block, inputs, joint_pass_backend())
     assert fusion_pass.match_counts() == {FAMILY: 2}, fusion_pass.report()
-    errors = compare_grads(block, unfused, [("x", inputs[0], unfused_inputs[0])])
-    assert max(errors.values()) < 1e-6, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    names = [f"input_{i}" for i in range(3)]
+    errors = compare_grads(block, unfused, list(zip(names, inputs, unfused_inputs)))
+    assert max(errors.values()) < 2.0 ** -8, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
-def test_autocast_in_hunyuan_order_is_a_near_miss():
-    """Autocast with RoPE first: the norm's input is then fp32 and the projection's gradient is
-    rounded once at the end, which the kernel does not model: found, reported, not fused."""
+def test_tables_in_another_dtype_than_the_model_are_a_near_miss():
+    """An fp32 model fed bf16 cos/sin without autocast: mixed dtypes the kernel does not take,
+    found and reported, not fused."""
     torch.manual_seed(0)
+    x, cos, sin = _inputs(True, False)
     fusion_pass.install(devices="cpu", families=FAMILY)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _run(SpelledBlock(placement="hunyuan"), _inputs(True, False), joint_pass_backend())
+    _run(SpelledBlock(), [x, cos.to(torch.bfloat16), sin.to(torch.bfloat16)], joint_pass_backend())
     assert not fusion_pass.match_counts().get(FAMILY)
     assert "mixed dtypes" in fusion_pass.report()
 
 
-class PartialRotaryBlock(nn.Module):
-    """GLM-4.5's ``Glm4MoeAttention`` prologue: Qwen3's norm, then RoPE on the first half of each head."""
-
-    def __init__(self):
-        super().__init__()
-        self.q_proj, self.k_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM), nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM)
-        self.q_norm = nn.Parameter(1 + 0.1 * torch.randn(HEAD_DIM))
-        self.k_norm = nn.Parameter(1 + 0.1 * torch.randn(HEAD_DIM))
-
-    def forward(self, x, cos, sin):
-        from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference
-
-        batch, seq, _ = x.shape
-        q = _norm(self.q_proj(x).view(batch, seq, -1, HEAD_DIM), self.q_norm, "qwen3").transpose(1, 2)
-        k = _norm(self.k_proj(x).view(batch, seq, -1, HEAD_DIM), self.k_norm, "qwen3").transpose(1, 2)
-        cos, sin = cos[..., : HEAD_DIM // 2].unsqueeze(1), sin[..., : HEAD_DIM // 2].unsqueeze(1)
-        q, k = partial_rope_reference(q, cos, sin), partial_rope_reference(k, cos, sin)
-        return q.sum(1) + k.sum(1)
-
-
-def test_partial_rotary_is_a_near_miss_with_eager_gradients():
-    """Partial rotary (GLM-4.5, Qwen3-Next, Qwen3.5) in training: found, reported, left unfused."""
-    torch.manual_seed(0)
-    block = PartialRotaryBlock()
-    reference = copy.deepcopy(block)
-    inputs = _inputs(True, False)
-    reference_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-    fusion_pass.install(devices="cpu", families=FAMILY)
-    _run(block, inputs, joint_pass_backend())
-    _run(reference, reference_inputs, None)
-    assert not fusion_pass.match_counts().get(FAMILY)
-    assert [(m.reason, n) for m, n in fusion_pass.near_misses().items()] == [(pattern._PARTIAL_ROTARY, 2)]
-    errors = compare_grads(block, reference, [("x", inputs[0], reference_inputs[0])])
-    assert max(errors.values()) < 1e-5
-
-
+@pytest.mark.parametrize("rotary_dim", [16, 6])
 @pytest.mark.parametrize("rope_first", [False, True])
-def test_kernel_nodes_equal_the_op(rope_first, monkeypatch):
+def test_kernel_nodes_equal_the_op(rope_first, rotary_dim, monkeypatch):
     """The CUDA form (Triton kernel nodes, traced on CPU tensors and run under the interpreter)
-    computes what the op computes."""
+    computes what the op computes (full and partial rotary)."""
     monkeypatch.setattr(triton_device, "IN_GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
     torch.manual_seed(0)
     batch, seq, heads, head_dim = 2, 8, 3, 16
     x = torch.randn(batch, seq, heads, head_dim, dtype=torch.bfloat16)
     grad = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16)
     rstd = torch.rand(batch, heads, seq, 1) + 0.5
-    cos, sin = (torch.randn(1, seq, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = (torch.randn(1, seq, rotary_dim, dtype=torch.bfloat16) for _ in range(2))
     weight = torch.randn(head_dim, dtype=torch.bfloat16)
     args = (grad, x, rstd, cos, sin, weight)
     graph = make_fx(lambda *a: backward_in_graph(*a, True, True, rope_first), tracing_mode="fake")(*args)
@@ -451,25 +448,45 @@ def test_hf_qwen3_bf16_lora_step_within_stock_tolerance():
         assert error <= 1.5 * stock_errors[name] + 1e-2, (name, error, stock_errors[name])
 
 
+GPU_CASES = {
+    # name: (SpelledBlock kwargs, tokens B*S: 16 takes the head-tile kernel, 640 the token-row one)
+    "qwen3": (dict(), 16),
+    "hunyuan": (dict(placement="hunyuan"), 16),
+    "qwen3_token_rows": (dict(), 640),
+    "gemma3_one_plus_weight": (dict(norm="gemma3", placement="gemma3"), 640),
+    "f_rms_norm_hunyuan_order": (dict(norm="f_rms_norm", placement="hunyuan"), 16),
+    "partial_rotary_qwen3_next": (dict(norm="gemma3", rotary_dim=HEAD_DIM // 4), 16),
+    "partial_rotary_glm45_token_rows": (dict(rotary_dim=HEAD_DIM // 2), 640),
+    "autocast_over_fp32": (dict(), 640),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("placement", ["qwen3", "hunyuan"])
-def test_gpu_lora_block_backward_is_our_kernel_launched_by_inductor(placement):
-    """CUDA, bf16, Inductor end to end: a LoRA block's backward code launches our elementwise kernel
-    (no fusion_pass op call) and its gradients are as close to eager's as stock compile's."""
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gpu_lora_block_backward_is_our_kernel_launched_by_inductor(case):
+    """CUDA, Inductor end to end, each kernel path (both orders, norm styles, partial rotary, bf16
+    autocast over an fp32 block, both tilings): a LoRA block's backward code launches our
+    elementwise kernel (no fusion_pass op call) and its gradients are as close to eager's as
+    stock compile's."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
-    dtype = torch.bfloat16
-    block = SpelledBlock(projection="lora", placement=placement).to("cuda", dtype)
+    kwargs, tokens = GPU_CASES[case]
+    autocast = case.startswith("autocast")
+    dtype = torch.float32 if autocast else torch.bfloat16
+    block = SpelledBlock(projection="lora", **kwargs).to("cuda", dtype)
     stock, reference = copy.deepcopy(block), copy.deepcopy(block)
-    x, cos, sin = (t.detach().to("cuda") for t in _inputs(True, False, dtype))
+    x, cos, sin = (t.detach().to("cuda") for t in _inputs(True, False, dtype, seq=tokens // 2))
     inputs = [x.requires_grad_(), cos, sin]
-    _run(stock, inputs, "inductor")
+    mode = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with mode:
+        _run(stock, inputs, "inductor")
     torch._dynamo.reset()
     fusion_pass.install(families=FAMILY)
-    _, codes = run_and_get_code(lambda: _run(block, inputs, "inductor"))
-    _run(reference, inputs, None)
+    with mode:
+        _, codes = run_and_get_code(lambda: _run(block, inputs, "inductor"))
+        _run(reference, inputs, None)
     assert fusion_pass.match_counts() == {FAMILY: 2}, fusion_pass.report()
     backward_code = "\n".join(c for c in codes if "_qk_norm_rope_bwd" in c)
     assert backward_code and "fusion_pass.qk_norm_rope_backward" not in backward_code
@@ -535,3 +552,54 @@ def test_peft_lora_step_fused_with_eager_gradients():
     errors = compare_grads(model, reference)
     assert errors and all("lora" in name for name in errors)
     assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+def _partial_rotary_model(family: str) -> nn.Module:
+    """transformers' GLM-4.5 (``Glm4MoeForCausalLM``, half the head rotated) and Qwen3-Next (a quarter,
+    Gemma's ``1 + w`` norm, a linear-attention layer beside the full one), dense MLPs."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    geometry = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, num_hidden_layers=2, vocab_size=128, max_position_embeddings=256, use_cache=False)
+    if family == "glm4_moe":
+        model = Glm4MoeForCausalLM(Glm4MoeConfig(**geometry, partial_rotary_factor=0.5, use_qk_norm=True,
+                                                 first_k_dense_replace=2))
+    else:
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            **geometry, partial_rotary_factor=0.25, layer_types=["linear_attention", "full_attention"],
+            mlp_only_layers=[0, 1], linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p) + (0.0 if family == "qwen3_next" else 1.0))
+    return model
+
+
+@pytest.mark.parametrize("family,attention_layers", [("glm4_moe", 2), ("qwen3_next", 1)])
+def test_hf_partial_rotary_training_step_fused_with_eager_gradients(family, attention_layers):
+    """Partial rotary in training, on transformers' own model code: every q and k of every layer with
+    the prologue fused (the kernel's ROT_HALF), every gradient within 1e-5 of the same compile's
+    without the pass and of eager's (fp32). Qwen3-Next's linear-attention layer is compared with the
+    unfused compile only, within 1e-4: its decay parameters' gradients amplify fp32 rounding (compiled
+    without the pass they differ from eager's by ~2e-4; with it, from the unfused compile's by ~1.4e-5)."""
+    model = _partial_rotary_model(family)
+    unfused, reference = copy.deepcopy(model), copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    torch.compile(unfused, backend=joint_pass_backend())(input_ids=ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    fusion_pass.install(devices="cpu", families=FAMILY)
+    loss = torch.compile(model, backend=joint_pass_backend())(input_ids=ids, labels=ids).loss
+    with OpCounter() as calls:
+        loss.backward()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    assert fusion_pass.match_counts() == {FAMILY: 2 * attention_layers}, fusion_pass.report()
+    assert calls.counts[OP] == 2 * attention_layers
+    assert fusion_pass.near_misses() == {}
+    errors = compare_grads(model, unfused)
+    linear = {n: e for n, e in errors.items() if "linear_attn" in n}
+    assert not linear or max(linear.values()) < 1e-4, sorted(linear.items(), key=lambda kv: -kv[1])[:3]
+    for against in (errors, compare_grads(model, reference)):
+        errors = {n: e for n, e in against.items() if "linear_attn" not in n}
+        assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]

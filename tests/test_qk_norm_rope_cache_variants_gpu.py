@@ -77,12 +77,13 @@ def cloned(args: dict) -> dict:
     return {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
 
 
-def check_close(out: torch.Tensor, ref: torch.Tensor, name: str) -> None:
+def check_close(out: torch.Tensor, ref: torch.Tensor, name: str, rounded_to: torch.dtype | None = None) -> None:
     """At most MAX_DIFFERING of the elements differ, none by more than MAX_ULPS ulps of the
-    row's largest reference value."""
+    row's largest reference value (ulps of ``rounded_to``, default the outputs' dtype: the last
+    rounding a flipped tie can move)."""
     differing = (out != ref).float().mean().item()
     scale = ref.float().abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(ref.dtype).tiny)
-    ulp = torch.exp2(torch.floor(torch.log2(scale)) - _MANTISSA_BITS[ref.dtype])
+    ulp = torch.exp2(torch.floor(torch.log2(scale)) - _MANTISSA_BITS[rounded_to or ref.dtype])
     ulps = ((out.float() - ref.float()).abs() / ulp).max().item()
     print(f"{name}: {differing:.2e} of the elements differ, max {ulps:.2f} ulps of the row scale")
     assert differing <= MAX_DIFFERING, f"{name}: {differing:.2e} of the elements differ"
@@ -134,3 +135,21 @@ def test_gpu_paged_cache_variant_matches_reference(name):
                                       (value_cache, value_before, args["v"], "value_cache")):
         check_cache(after.view(-1, kv_heads, head_dim).transpose(0, 1).unsqueeze(0),
                     before.view(-1, kv_heads, head_dim).transpose(0, 1).unsqueeze(0), slots, rows, f"paged {name} {what}")
+
+
+def test_gpu_autocast_over_fp32_weights_matches_reference():
+    """bf16 autocast over an fp32 model (Qwen3's form): bf16 q/k/v, fp32 norm weights and tables,
+    fp32 outputs and k cache, bf16 v cache. A flipped tie moves the bf16-rounded normalized row, so
+    the outputs are compared at bf16 ulps."""
+    args = make_args(VARIANTS["qwen3"], torch.bfloat16, seed=11)
+    for name in ("q_weight", "k_weight", "cos", "sin", "k_cache"):
+        args[name] = args[name].float()
+    ref = cloned(args)
+    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
+    q_ref, k_ref = qk_norm_rope_cache_reference(**cloned(args) | dict(k_cache=ref["k_cache"].clone(),
+                                                                           v_cache=ref["v_cache"].clone()))
+    assert q_out.dtype == k_out.dtype == torch.float32
+    check_close(q_out, q_ref, "autocast q", rounded_to=torch.bfloat16)
+    check_close(k_out, k_ref, "autocast k", rounded_to=torch.bfloat16)
+    check_cache(args["k_cache"], ref["k_cache"], ref["cache_position"], k_out, "autocast k_cache")
+    check_cache(args["v_cache"], ref["v_cache"], ref["cache_position"], ref["v"], "autocast v_cache")

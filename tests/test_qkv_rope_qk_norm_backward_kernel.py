@@ -32,6 +32,13 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope(x, c, s):
+    """RoPE on the first c.shape[-1] features (all of them, or partial rotary as GLM-4.5 writes it)."""
+    rotary_dim = c.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x_rot * c + rotate_half(x_rot) * s, x_pass), dim=-1)
+
+
 def rms_norm(x, w, eps=EPS):
     acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for the float64 oracle
     x32 = x.to(acc)
@@ -55,9 +62,9 @@ def forward_from_qkv(qkv, cos, sin, wq, wk, hq, hkv, d, rotated=None, rope_first
             for x in (q, k):
                 x.retain_grad()
                 rotated.append(x)
-        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v
-    q = q * c + rotate_half(q) * s
-    k = k * c + rotate_half(k) * s
+        return rope(q, c, s), rope(k, c, s), v
+    q = rope(q, c, s)
+    k = rope(k, c, s)
     if rotated is not None:
         for x in (q, k):
             x.retain_grad()
@@ -75,7 +82,7 @@ def saved_for_backward(qkv, cos, sin, hq, hkv, d, rope_first=True):
 
     def rstd(x):  # x [B, S, H, D] -> [B, H, S]
         xt = x.transpose(1, 2)
-        xr = xt * c + rotate_half(xt) * s if rope_first else xt
+        xr = rope(xt, c, s) if rope_first else xt
         return torch.rsqrt(xr.float().pow(2).mean(-1) + EPS)
 
     return q, k, rstd(q), rstd(k)
@@ -125,30 +132,33 @@ def rope_backward_term_scale(qkv, cos, sin, wq, wk, gq, gk, gv, hq, hkv, d):
     c, s = leaves[1].detach().unsqueeze(1), leaves[2].detach().unsqueeze(1)
     B, S, _ = qkv.shape
     parts = []
+    rotary_dim = c.shape[-1]
     for x in rotated:  # d(proj) = dx*cos + rotate_half^T(dx*sin), rotate_half^T(y) = cat(y2, -y1)
-        dx = x.grad
+        dx = x.grad[..., :rotary_dim]
         sin_term = (dx * s).abs()
-        half = d // 2
+        half = rotary_dim // 2
         terms = torch.maximum((dx * c).abs(), torch.cat((sin_term[..., half:], sin_term[..., :half]), dim=-1))
+        terms = torch.cat((terms, x.grad[..., rotary_dim:].abs()), dim=-1)  # passed-through features
         parts.append(terms.transpose(1, 2).reshape(B, S, -1))
     parts.append(torch.zeros(B, S, hkv * d, dtype=torch.float64, device=qkv.device))
     return torch.cat(parts, dim=-1)
 
 
-def make_case(B, S, hq, hkv, d, bc, dtype, seed=0, real_rope=False, strided_grads=True):
+def make_case(B, S, hq, hkv, d, bc, dtype, seed=0, real_rope=False, strided_grads=True, rotary_dim=None):
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
 
     qkv = rnd(B, S, (hq + 2 * hkv) * d)
+    r = rotary_dim or d
     if real_rope:
-        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        inv = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
         ang = torch.arange(S).float()[:, None] * inv
-        emb = torch.cat((ang, ang), -1)[None].expand(bc, S, d)
+        emb = torch.cat((ang, ang), -1)[None].expand(bc, S, r)
         cos, sin = emb.cos().to(dtype).to(DEV), emb.sin().to(dtype).to(DEV)
     else:  # arbitrary tables: the grads must be exact for any cos/sin
-        cos, sin = rnd(bc, S, d), rnd(bc, S, d)
+        cos, sin = rnd(bc, S, r), rnd(bc, S, r)
     wq, wk = (1 + rnd(d, scale=0.2)), (1 + rnd(d, scale=0.2))
     if strided_grads:  # [B, S, H, D] storage seen as [B, H, S, D], like a transposed attention grad
         gq = rnd(B, S, hq, d).transpose(1, 2)
@@ -192,8 +202,9 @@ NAMES = ("grad_qkv", "grad_cos", "grad_sin", "grad_q_weight", "grad_k_weight")
 
 
 def check_case(B, S, hq, hkv, d, bc, dtype, need_w=True, need_cs=True, seed=0, real_rope=False,
-               num_programs=None, strided_grads=True, rope_first=True):
-    case = make_case(B, S, hq, hkv, d, bc, dtype, seed=seed, real_rope=real_rope, strided_grads=strided_grads)
+               num_programs=None, strided_grads=True, rope_first=True, rotary_dim=None):
+    case = make_case(B, S, hq, hkv, d, bc, dtype, seed=seed, real_rope=real_rope, strided_grads=strided_grads,
+                     rotary_dim=rotary_dim)
     qkv, cos, sin, wq, wk, gq, gk, gv = case
     grad_qkv, gqw, gkw, gcos, gsin = run_kernel(*case, hq, hkv, d, need_w, need_cs, num_programs,
                                                 rope_first=rope_first)
@@ -274,14 +285,31 @@ def test_elementwise_norm_first_matches_autograd(B, S, hq, hkv, d, bc, dtype):
     check_case(B, S, hq, hkv, d, bc, dtype, rope_first=False)
 
 
+@both_tilings
+@pytest.mark.parametrize("rope_first", [True, False])
+@pytest.mark.parametrize(
+    "B,S,hq,hkv,d,rotary_dim,bc,dtype",
+    [
+        (2, 5, 4, 2, 64, 32, 1, torch.float32),  # GLM-4.5: half the features rotated
+        (2, 5, 4, 2, 64, 16, 2, torch.bfloat16),  # Qwen3-Next / Qwen3.5: a quarter
+        (1, 7, 3, 1, 48, 20, 1, torch.bfloat16),  # rotary half not a power of two, D/2 padded
+    ],
+)
+def test_elementwise_partial_rotary_matches_autograd(B, S, hq, hkv, d, rotary_dim, bc, dtype, rope_first):
+    """Partial rotary: RoPE on the first rotary_dim features, the rest passed through (constexpr
+    ROT_HALF); grad_cos / grad_sin are rotary_dim wide."""
+    check_case(B, S, hq, hkv, d, bc, dtype, rope_first=rope_first, rotary_dim=rotary_dim)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
 @pytest.mark.parametrize("rope_first", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_matches_autograd_in_both_orders(rope_first, dtype):
+def test_reference_matches_autograd_in_both_orders(rope_first, dtype, rotary_dim):
     """The PyTorch reference (CPU graphs run it) in both orders, against float64 autograd."""
     from fusion_pass.kernels.qkv_rope_qk_norm_reference import qk_norm_rope_backward_reference
 
     hq, hkv, d, B, S = 4, 2, 64, 2, 5
-    case = make_case(B, S, hq, hkv, d, 1, dtype)
+    case = make_case(B, S, hq, hkv, d, 1, dtype, rotary_dim=rotary_dim)
     qkv, cos, sin, wq, wk, gq, gk, gv = case
     q, k, rq, rk = saved_for_backward(qkv, cos, sin, hq, hkv, d, rope_first)
     grad_qkv = torch.full((B * S, qkv.shape[-1]), float("nan"), device=qkv.device, dtype=dtype)
