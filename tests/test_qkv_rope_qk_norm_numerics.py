@@ -426,3 +426,37 @@ def test_double_backward_is_refused():
     out = qkv_rope_qk_norm(hidden, weights, biases, q_w, k_w, cos, sin, 4, 2, EPS, EPS)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out[0].sum(), hidden, create_graph=True)
+
+
+def test_hunyuan_moe_v1_trains_fused_like_eager():
+    """transformers' HunYuanMoEV1ForCausalLM: HunYuanDenseV1's attention (RoPE, then the per-head
+    norm) with MoE MLPs, fp32, through Inductor's joint-graph passes (graphs run eagerly). Each
+    layer's attention region fused and our backward run once per
+    layer, every gradient equal to eager autograd's. (The expert dispatch may break the graph
+    between layers; the second layer's graph is then a cache hit or a second match: 1 or 2, as
+    for Qwen3-MoE in test_qkv_norm_rope_training.py.)"""
+    from transformers import HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
+
+    torch.manual_seed(0)
+    dense = tiny_config(layers=2)
+    config = HunYuanMoEV1Config(
+        hidden_size=dense.hidden_size, intermediate_size=dense.intermediate_size, num_attention_heads=dense.num_attention_heads,
+        num_key_value_heads=dense.num_key_value_heads, head_dim=dense.head_dim, num_hidden_layers=2,
+        vocab_size=dense.vocab_size, max_position_embeddings=256, rms_norm_eps=EPS, use_cache=False,
+        num_experts=4, moe_topk=2, attn_implementation="sdpa")
+    model = HunYuanMoEV1ForCausalLM(config).train()
+    with torch.no_grad():  # neutral norm weights would hide a weight applied twice or not at all
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    reference = copy.deepcopy(model)
+    fusion_pass.install(devices=("cpu",))
+    ids = torch.randint(0, 128, (2, 16))
+    loss = torch.compile(model, backend=joint_pass_backend())(input_ids=ids, labels=ids).loss
+    with OpCounter() as ops:
+        loss.backward()
+    assert ops.counts[BWD_OP] == 2  # our backward, once per layer
+    assert fusion_pass.match_counts().get(FAMILY) in (1, 2) and fusion_pass.near_misses() == {}, fusion_pass.report()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    errors = compare_grads(model, reference)
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning step of transformers' Qwen3 (or GLM-4.5) at 8B attention geometry: eager vs stock
+"""Training step (LoRA fine-tuning by default) of transformers' Qwen3, GLM-4.5 or HunYuan at 8B attention geometry: eager vs stock
 torch.compile vs torch.compile with the pass, in default mode and under CUDA graphs (``mode="reduce-overhead"``).
 
 The model: ``Qwen3ForCausalLM``, hidden 4096, 32 query / 8 kv heads of 128, ``--layers`` layers
@@ -6,13 +6,16 @@ The model: ``Qwen3ForCausalLM``, hidden 4096, 32 query / 8 kv heads of 128, ``--
 AdamW. The projection family cannot fuse this (its weights are frozen); the per-tensor family
 ``qk_norm_rope_backward`` fuses q and k of every layer (2 per layer). ``--model glm45``: the same
 geometry as ``Glm4MoeForCausalLM`` (GLM-4.5: ``use_qk_norm``, partial rotary on half of each head,
-dense MLPs). ``--autocast``: the model in fp32, each step under ``torch.autocast("cuda", torch.bfloat16)``
-(the Hugging Face Trainer's ``bf16=True``).
+dense MLPs); ``--model hunyuan``: ``HunYuanDenseV1ForCausalLM`` (RoPE, then the per-head norm).
+``--autocast``: the model in fp32, each step under ``torch.autocast("cuda", torch.bfloat16)`` (the Hugging
+Face Trainer's ``bf16=True``). ``--train full``: every weight trained, no adapters (the projection family
+``qkv_rope_qk_norm`` then fuses each layer's projection and backward, one count per layer).
 
 Per variant: gradients of the first step against eager's (max over adapters and norm weights of
 max|g - g_eager| / max|g_eager|), then the median of ``--steps`` timed steps (forward + backward +
 AdamW), then the two compiled variants of each mode timed again in alternating rounds (the ratio
-quoted). Usage: ``python benchmarks/bench_training_lora.py --out DIR [--batch 2 --seq 2048]``.
+quoted). Usage: ``python benchmarks/bench_training.py --out DIR [--model qwen3|glm45|hunyuan] [--train lora|full]
+[--autocast] [--batch 2 --seq 2048]`` (the session 14 figures were taken under its former name, bench_training_lora.py).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class LoRALinear(nn.Module):
         return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
-def build(layers: int, family: str = "qwen3", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+def build(layers: int, family: str = "qwen3", dtype: torch.dtype = torch.bfloat16, lora: bool = True) -> nn.Module:
     torch.manual_seed(0)
     geometry = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                     head_dim=128, num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=8192,
@@ -68,14 +71,22 @@ def build(layers: int, family: str = "qwen3", dtype: torch.dtype = torch.bfloat1
 
         model = Glm4MoeForCausalLM(Glm4MoeConfig(**geometry, partial_rotary_factor=0.5, use_qk_norm=True,
                                                  first_k_dense_replace=layers))
+    elif family == "hunyuan":
+        from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
+
+        model = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(**geometry, attention_bias=False))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**geometry))
     model = model.to("cuda", dtype)
+    if not lora:
+        return model.train()
     model.requires_grad_(False)
     for layer in model.model.layers:
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(layer.self_attn, name, LoRALinear(getattr(layer.self_attn, name)))
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+        attention = layer.self_attn
+        for norm in ((attention.query_layernorm, attention.key_layernorm) if family == "hunyuan"
+                     else (attention.q_norm, attention.k_norm)):
             norm.weight.requires_grad_(True)
     return model.train()
 
@@ -112,14 +123,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--model", choices=("qwen3", "glm45"), default="qwen3")
+    p.add_argument("--model", choices=("qwen3", "glm45", "hunyuan"), default="qwen3")
     p.add_argument("--autocast", action="store_true")
+    p.add_argument("--train", choices=("lora", "full"), default="lora")
     args = p.parse_args()
-    base = build(args.layers, args.model, torch.float32 if args.autocast else torch.bfloat16)
+    base = build(args.layers, args.model, torch.float32 if args.autocast else torch.bfloat16, args.train == "lora")
     ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, transformers=transformers.__version__, layers=args.layers,
-                  batch=args.batch, seq=args.seq, model=args.model, autocast=args.autocast, variants={})
+                  batch=args.batch, seq=args.seq, model=args.model, autocast=args.autocast, train=args.train,
+                  variants={})
     reference_grads = None
     kept = {}
     for variant, mode in (("eager", None), ("stock", "default"), ("pass", "default"),
@@ -168,7 +181,8 @@ def main() -> None:
             pass_over_stock=statistics.median(rounds["pass"]) / statistics.median(rounds["stock"]))
         print(mode, result[f"interleaved_{mode}"], flush=True)
     os.makedirs(args.out, exist_ok=True)
-    name = "training-lora" + ("" if args.model == "qwen3" else f"-{args.model}") + ("-autocast" if args.autocast else "")
+    name = f"training-{args.train}" + ("" if args.model == "qwen3" else f"-{args.model}") + (
+        "-autocast" if args.autocast else "")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
