@@ -58,7 +58,7 @@ def report() -> str:
         fusion_pass: 2 fusions applied
           qk_norm_rope_cache: 2 (per-head RMSNorm(q, k) -> RoPE -> K/V cache write)
         near-misses (structure found, not fused):
-          qk_norm_rope_cache: head_dim 96 is not a power of two (the kernel serves powers of two in [16, 256]) (x2)
+          qk_norm_rope_cache: head_dim 96 is not a power of two (the kernel serves powers of two in [16, 512]) (x2)
     """
     from .config import ALL_FAMILIES
     from .families import DESCRIPTIONS

@@ -488,9 +488,9 @@ def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype} (the fusion serves bf16 and fp16 models)"
     if head_dim < 1 or head_dim & (head_dim - 1):
-        return f"head_dim {head_dim} is not a power of two (the kernel serves powers of two in [16, 256])"
-    if not 16 <= head_dim <= 256:
-        return f"head_dim {head_dim} is outside [16, 256] (the kernel serves powers of two in that range)"
+        return f"head_dim {head_dim} is not a power of two (the kernel serves powers of two in [16, 512])"
+    if not 16 <= head_dim <= 512:
+        return f"head_dim {head_dim} is outside [16, 512] (the kernel serves powers of two in that range)"
     return None
 
 

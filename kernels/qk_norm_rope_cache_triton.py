@@ -64,7 +64,7 @@ enough bytes in flight with fully used 16-byte accesses, and nothing else.
   is in ``[0, L)`` (the row offset of a skipped position is clamped to 0 before it forms a
   pointer); head, token and (for
   non-power-of-two D) feature tails are masked on every load and store.
-* head_dim: any even D (tested 2 ... 256, including 48 and 96). Power-of-two D/2 gives
+* head_dim: any even D (tested 2 ... 512, including 48 and 96; the op serves powers of two in [16, 512]). Power-of-two D/2 gives
   unmasked 16-byte accesses along D; other D pad the half to the next power of two and
   mask it (correct, somewhat slower).
 

@@ -183,6 +183,19 @@ def variants() -> dict:
                      STRIDE_Q_S=96 * 128, STRIDE_QO_S=96 * 128)
     out["forward_graph_bf16_d128_streaming"] = (out["forward_graph_bf16_d128"][0], pointers, streaming, set(),
                                                inductor_options)
+    # head_dim 512 (Gemma4's full-attention layers: 32 query / 4 kv heads in the 31B model): the small
+    # tile (8 rows of one token) and the streaming one (one head x 4 tokens per block: the same
+    # elements per lane as D = 128's 16 tokens).
+    d512 = dict(HEAD_DIM=512, HALF_BLOCK=256, ROTARY_DIM=512, Q_HEADS=32, KV_HEADS=4, STRIDE_Q_H=512,
+                STRIDE_Q_S=32 * 512, STRIDE_K_H=512, STRIDE_K_S=4 * 512, STRIDE_V_H=512, STRIDE_V_S=4 * 512,
+                STRIDE_QO_H=512, STRIDE_QO_S=32 * 512, STRIDE_KO_H=512, STRIDE_KO_S=4 * 512,
+                STRIDE_KC_B=4 * 2048 * 512, STRIDE_KC_H=2048 * 512, STRIDE_KC_L=512, STRIDE_VC_B=4 * 2048 * 512,
+                STRIDE_VC_H=2048 * 512, STRIDE_VC_L=512, STRIDE_COS_S=512, STRIDE_SIN_S=512)
+    out["forward_graph_bf16_d512"] = (out["forward_graph_bf16_d128"][0], pointers,
+                                      dict(out["forward_graph_bf16_d128"][2], **d512, HEADS_PER_PROGRAM=4,
+                                           TOKENS_PER_PROGRAM=2), set(), inductor_options)
+    out["forward_graph_bf16_d512_streaming"] = (out["forward_graph_bf16_d128"][0], pointers,
+                                                dict(streaming, **d512, TOKENS_PER_PROGRAM=4), set(), inductor_options)
     out["forward_graph_bf16_d128_streaming_from_positions"] = (
         out["forward_graph_bf16_d128"][0], pointers,
         dict({k: v for k, v in streaming.items() if k not in ("position_ids_ptr", "inv_freq_ptr")},

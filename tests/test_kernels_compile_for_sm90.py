@@ -49,6 +49,7 @@ VARIANTS = [
     "forward_bf16_d128_as_inductor_emits_it", "forward_bf16_d128_from_positions_as_inductor_emits_it",
     "forward_bf16_d128_floats_as_constants",
     "forward_graph_bf16_d128", "forward_graph_bf16_d128_streaming", "forward_graph_bf16_d128_streaming_from_positions",
+    "forward_graph_bf16_d512", "forward_graph_bf16_d512_streaming",
     "backward_elementwise_bf16_d128_with_grads_as_inductor_emits_it",
     "backward_rows_bf16_d128_with_grads_as_inductor_emits_it", "backward_finish_w1_cs1_as_inductor_emits_it",
     # the graph entries (every scalar a constexpr), as Inductor emits them

@@ -159,7 +159,7 @@ def run_and_check(case, max_ulps=None, check_positions=True, **tile):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-# 512 (Gemma4's full-attention layers): the launcher computes it; the op serves it once it has run on a GPU.
+# 512: Gemma4's full-attention layers.
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
 def test_dtypes_and_head_dims(dtype, head_dim):
     run_and_check(make_case(head_dim=head_dim, dtype=dtype, seed=head_dim))

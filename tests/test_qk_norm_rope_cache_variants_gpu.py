@@ -137,6 +137,21 @@ def test_gpu_paged_cache_variant_matches_reference(name):
                     before.view(-1, kv_heads, head_dim).transpose(0, 1).unsqueeze(0), slots, rows, f"paged {name} {what}")
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_one_plus_weight"])
+@pytest.mark.parametrize("head_dim,kv_heads", [(256, 16), (512, 4)])
+def test_gpu_large_head_dims_match_reference(head_dim, kv_heads, name):
+    """Gemma4's head dims: 256 on its sliding layers, 512 on its full-attention ones (32 query heads)."""
+    args = make_args(VARIANTS[name], torch.bfloat16, kv_heads=kv_heads, head_dim=head_dim, cache_len=2048, seed=head_dim)
+    ref = cloned(args)
+    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
+    q_ref, k_ref = qk_norm_rope_cache_reference(**cloned(args) | dict(k_cache=ref["k_cache"].clone(),
+                                                                           v_cache=ref["v_cache"].clone()))
+    check_close(q_out, q_ref, f"D{head_dim} {name} q")
+    check_close(k_out, k_ref, f"D{head_dim} {name} k")
+    check_cache(args["k_cache"], ref["k_cache"], ref["cache_position"], k_out, f"D{head_dim} k_cache")
+    check_cache(args["v_cache"], ref["v_cache"], ref["cache_position"], ref["v"], f"D{head_dim} v_cache")
+
+
 def test_gpu_autocast_over_fp32_weights_matches_reference():
     """bf16 autocast over an fp32 model (Qwen3's form): bf16 q/k/v, fp32 norm weights and tables,
     fp32 outputs and k cache, bf16 v cache. A flipped tie moves the bf16-rounded normalized row, so
