@@ -97,18 +97,24 @@ def check_cache(after: torch.Tensor, before: torch.Tensor, positions: torch.Tens
     assert torch.equal(after, expected), name
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_gpu_dense_cache_variant_matches_reference(name, dtype):
-    args = make_args(VARIANTS[name], dtype, seed=len(name))
+def check_dense_op(args: dict, name: str, rounded_to: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense-cache op on ``args`` against the reference (``check_close``) and its cache writes
+    (``check_cache``); returns (q_out, k_out)."""
     ref = cloned(args)
     q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
     q_ref, k_ref = qk_norm_rope_cache_reference(**cloned(args) | dict(k_cache=ref["k_cache"].clone(),
                                                                            v_cache=ref["v_cache"].clone()))
-    check_close(q_out, q_ref, f"{name} q")
-    check_close(k_out, k_ref, f"{name} k")
+    check_close(q_out, q_ref, f"{name} q", rounded_to)
+    check_close(k_out, k_ref, f"{name} k", rounded_to)
     check_cache(args["k_cache"], ref["k_cache"], ref["cache_position"], k_out, f"{name} k_cache")
     check_cache(args["v_cache"], ref["v_cache"], ref["cache_position"], ref["v"], f"{name} v_cache")
+    return q_out, k_out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gpu_dense_cache_variant_matches_reference(name, dtype):
+    check_dense_op(make_args(VARIANTS[name], dtype, seed=len(name)), name)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3_one_plus_weight", "rope_first_hunyuan", "partial_rotary_glm",
@@ -142,14 +148,7 @@ def test_gpu_paged_cache_variant_matches_reference(name):
 def test_gpu_large_head_dims_match_reference(head_dim, kv_heads, name):
     """Gemma4's head dims: 256 on its sliding layers, 512 on its full-attention ones (32 query heads)."""
     args = make_args(VARIANTS[name], torch.bfloat16, kv_heads=kv_heads, head_dim=head_dim, cache_len=2048, seed=head_dim)
-    ref = cloned(args)
-    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
-    q_ref, k_ref = qk_norm_rope_cache_reference(**cloned(args) | dict(k_cache=ref["k_cache"].clone(),
-                                                                           v_cache=ref["v_cache"].clone()))
-    check_close(q_out, q_ref, f"D{head_dim} {name} q")
-    check_close(k_out, k_ref, f"D{head_dim} {name} k")
-    check_cache(args["k_cache"], ref["k_cache"], ref["cache_position"], k_out, f"D{head_dim} k_cache")
-    check_cache(args["v_cache"], ref["v_cache"], ref["cache_position"], ref["v"], f"D{head_dim} v_cache")
+    check_dense_op(args, f"D{head_dim} {name}")
 
 
 def test_gpu_autocast_over_fp32_weights_matches_reference():
@@ -159,12 +158,5 @@ def test_gpu_autocast_over_fp32_weights_matches_reference():
     args = make_args(VARIANTS["qwen3"], torch.bfloat16, seed=11)
     for name in ("q_weight", "k_weight", "cos", "sin", "k_cache"):
         args[name] = args[name].float()
-    ref = cloned(args)
-    q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(**args)
-    q_ref, k_ref = qk_norm_rope_cache_reference(**cloned(args) | dict(k_cache=ref["k_cache"].clone(),
-                                                                           v_cache=ref["v_cache"].clone()))
+    q_out, k_out = check_dense_op(args, "autocast", rounded_to=torch.bfloat16)
     assert q_out.dtype == k_out.dtype == torch.float32
-    check_close(q_out, q_ref, "autocast q", rounded_to=torch.bfloat16)
-    check_close(k_out, k_ref, "autocast k", rounded_to=torch.bfloat16)
-    check_cache(args["k_cache"], ref["k_cache"], ref["cache_position"], k_out, "autocast k_cache")
-    check_cache(args["v_cache"], ref["v_cache"], ref["cache_position"], ref["v"], "autocast v_cache")

@@ -1,0 +1,166 @@
+"""What one rank runs in ``test_distributed.py``: a tiny model under FSDP2 or tensor parallelism,
+compiled without and then with the pass, on the gloo backend (CPU).
+
+``run_rank(rank, world, port, scenario, out_dir)`` is the ``torch.multiprocessing.spawn`` target;
+it writes ``out_dir/rank<r>.json`` with what the test asserts on:
+
+* ``fused``: ``fusion_pass.match_counts()`` of the compile with the pass (graphs compiled on this rank);
+* ``ops``: fusion_pass op calls while the backward ran (training);
+* ``collectives`` / ``collectives_unfused``: calls of ``_c10d_functional`` and ``c10d`` ops in the
+  same region (the backward; prefill + decode, run a second time: compiling under the counter's
+  dispatch mode would not compile), with and without the pass (the pass must not add or drop one);
+* ``max_grad_err`` (training) / ``max_logit_err`` and ``logit_scale`` (inference): against the same
+  parallel run without the pass, this rank's local shards.
+
+Scenarios:
+
+* ``fsdp2_train``: transformers' Qwen3 (fp32), ``fully_shard`` per decoder layer and the model, each
+  layer compiled (``layer.compile``), one training step.
+* ``tp_train``: Qwen3 (fp32) with ``parallelize_module``: q/k/v and MLP up projections column-wise,
+  o_proj and down_proj row-wise (each rank holds half of the heads), the model compiled, one step.
+* ``tp_infer``: the same plan on a bf16 Qwen3, ``StaticCache`` (its layers sized from the rank's
+  own key/value heads on first use), prefill then one decode step.
+* ``hunyuan_tp_train``: transformers' HunYuanDenseV1 (RoPE, then the norm) under the same plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+GEOMETRY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                num_hidden_layers=2, vocab_size=128, max_position_embeddings=256)
+
+
+def _collective_calls(counts: dict) -> dict:
+    return {op: n for op, n in counts.items() if "c10d" in op}
+
+
+def _fusion_calls(counts: dict) -> dict:
+    return {op: n for op, n in counts.items() if op.startswith("fusion_pass.")}
+
+
+def _model(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)  # the same weights on every rank
+    if family == "hunyuan":
+        model = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(**GEOMETRY, use_cache=False, attention_bias=False))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**GEOMETRY, use_cache=False))
+    with torch.no_grad():  # neutral norm weights would hide a weight applied twice or not at all
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model.to(dtype)
+
+
+def _tensor_parallel(model: torch.nn.Module, mesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in model.model.layers:
+        parallelize_module(layer.self_attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                                   "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                             "down_proj": RowwiseParallel()})
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _train_step(model, compile_model, ids) -> dict:
+    """One compiled forward, then the backward under an op counter."""
+    from qkv_rope_qk_norm_models import OpCounter
+
+    loss = compile_model(model)(input_ids=ids, labels=ids).loss
+    with OpCounter() as ops:
+        loss.backward()
+    return dict(ops.counts)
+
+
+def _training(scenario: str, mesh, rank: int) -> dict:
+    import fusion_pass
+    from qkv_rope_qk_norm_models import joint_pass_backend
+
+    def build() -> torch.nn.Module:  # twice: FSDP2 modules cannot be deep-copied
+        model = _model("hunyuan" if scenario.startswith("hunyuan") else "qwen3", torch.float32)
+        if scenario == "fsdp2_train":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            _tensor_parallel(model, mesh)
+        return model
+
+    def compile_model(m):
+        if scenario == "fsdp2_train":  # FSDP2's recipe: one compile per transformer block
+            for layer in m.model.layers:
+                layer.compile(backend=joint_pass_backend())
+            return m
+        return torch.compile(m, backend=joint_pass_backend())
+
+    model, unfused = build(), build()
+    ids = torch.randint(0, GEOMETRY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1 + rank))
+    unfused_counts = _train_step(unfused, compile_model, ids)
+    torch._dynamo.reset()
+    fusion_pass.install(devices="cpu")
+    counts = _train_step(model, compile_model, ids)
+    errors = []
+    for (name, p), (_, q) in zip(model.named_parameters(), unfused.named_parameters()):
+        got, want = _local(p.grad), _local(q.grad)
+        errors.append(((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+    return dict(fused=fusion_pass.match_counts(), near_misses=len(fusion_pass.near_misses()), ops=_fusion_calls(counts),
+                collectives=_collective_calls(counts), collectives_unfused=_collective_calls(unfused_counts),
+                max_grad_err=max(errors))
+
+
+def _inference(mesh) -> dict:
+    from compile_capture import compile_forward
+    from qkv_rope_qk_norm_models import OpCounter
+    from test_qk_norm_rope_cache_model import _prefill_and_decode
+
+    import fusion_pass
+
+    model = _model("qwen3", torch.bfloat16).eval()
+    model.config.use_cache = True
+    _tensor_parallel(model, mesh)
+    ids = torch.randint(0, GEOMETRY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
+
+    def counted_run(forward):  # compiled by a first run: compiling under a dispatch mode would not compile
+        _prefill_and_decode(forward, model.config, ids, 32, 1)
+        with OpCounter() as ops:
+            logits, cache = _prefill_and_decode(forward, model.config, ids, 32, 1)
+        return logits, cache, dict(ops.counts)
+
+    ref_logits, ref_cache, unfused_counts = counted_run(torch.compile(model))
+    torch._dynamo.reset()
+    logits, cache, counts = counted_run(compile_forward(model)[0])
+    errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(logits, ref_logits)]
+    cache_errors = [(a.float() - b.float()).abs().max().item()
+                    for layer, ref in zip(cache.layers, ref_cache.layers)
+                    for a, b in ((layer.keys, ref.keys), (layer.values, ref.values))]
+    return dict(fused=fusion_pass.match_counts(), near_misses=len(fusion_pass.near_misses()),
+                collectives=_collective_calls(counts), collectives_unfused=_collective_calls(unfused_counts),
+                max_logit_err=max(errors),
+                logit_scale=max(t.float().abs().max().item() for t in ref_logits), max_cache_err=max(cache_errors),
+                cache_kv_heads=cache.layers[0].keys.shape[1])
+
+
+def run_rank(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        result = _inference(mesh) if scenario == "tp_infer" else _training(scenario, mesh, rank)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
