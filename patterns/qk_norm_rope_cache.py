@@ -745,6 +745,9 @@ _NO_CACHE_WRITE = "per-head RMSNorm -> RoPE without a matching K/V cache write (
 _ROPE_FIRST_NO_CACHE_WRITE = "RoPE -> per-head RMSNorm without a matching K/V cache write (left unfused)"
 _FP32_MODEL = ("per-head RMSNorm -> RoPE in float32: the fused kernel takes bf16 or fp16 models (left to "
                "Inductor)")
+_FULL_WIDTH_NORM = ("RMSNorm over the whole projection width, then heads -> RoPE (e.g. OLMo2): not a per-head norm, "
+                    "which the kernel computes (left unfused; under head-sharded tensor parallelism its variance "
+                    "would need an all-reduce)")
 # Node meta key: the whole fusion matched here and was refused, with a reason already reported.
 _REJECTED = "fusion_pass_qk_norm_rope_cache_refused"
 
@@ -798,6 +801,26 @@ def _near_miss_pass():
 
         register_graph_pattern(pattern, pass_dict=near_misses, extra_check=allowed)(
             report(_FP32_MODEL if dtype == torch.float32 else _NO_CACHE_WRITE))
+
+    # One norm over the projection's width, then the head view and RoPE (Olmo2Attention, whose norm is
+    # AFMoE's form; Qwen3's form too). The view's sizes are the example's: ints are wildcards in patterns.
+    def full_width_norm_rope(norm: NormForm):
+        def search(x, weight, cos, sin, eps):
+            return rope_reference(norm.fn(x, weight, eps).view(2, 8, 4, 16).transpose(1, 2), cos, sin)
+
+        return search
+
+    t = functools.partial(torch.empty, dtype=torch.bfloat16)
+    example = [t(2, 8, 64), t(64), t(2, 1, 8, 16), t(2, 1, 8, 16)]
+    for name in ("qwen3", "afmoe"):
+        pattern = traced_pattern(f"qk_norm_rope_cache_near_miss_full_width_{name}",
+                                 functools.partial(gen_pattern, full_width_norm_rope(NORM_FORMS[name]), example, _trace,
+                                                   {"eps": _Q_EPS_EXAMPLE}),
+                                 inputs_signature(example))
+        register_graph_pattern(
+            pattern, pass_dict=near_misses,
+            extra_check=lambda match: fusion_config.device_allowed(_val(match, "x").device),
+        )(report(_FULL_WIDTH_NORM))
 
     # HunYuan's order: RoPE on [B, H, S, D], then the (Qwen3-form) norm.
     def rope_norm(x, weight, cos, sin, eps):

@@ -285,3 +285,22 @@ def _prefill_and_decode_on(forward, config, input_ids, cache_len, decode_steps):
             logits.append(out.logits.clone())
             token = out.logits[:, -1:].argmax(-1)
     return logits, cache
+
+
+def test_hf_olmo2_full_width_norm_is_reported_not_fused():
+    """transformers' Olmo2ForCausalLM normalizes q and k over the whole projection width before the
+    head view: not the per-head norm the kernel computes. Left unfused, every q and k of both graphs
+    (prefill, decode) reported with that reason, no fused op in either graph."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Olmo2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    model = transformers.Olmo2ForCausalLM(config).to(torch.bfloat16).eval()
+    compiled, capture = compile_forward(model)
+    _prefill_and_decode(compiled, config, torch.randint(0, config.vocab_size, (2, 7)), 32, 1)
+    assert fused_count() == 0
+    reasons = {m.reason.split(":")[0]: n for m, n in fusion_pass.near_misses().items()}
+    assert reasons == {"RMSNorm over the whole projection width, then heads -> RoPE (e.g. OLMo2)": 8}, reasons
+    assert len(capture.after) == 2 and not any("fusion_pass" in graph for graph in capture.after)

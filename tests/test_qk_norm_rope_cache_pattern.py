@@ -127,6 +127,9 @@ def test_look_alikes_are_left_alone(variant):
     assert fused_count() == 0
     assert FUSED_OP not in capture.after[0]
     torch.testing.assert_close(q_out, q_ref, **UNFUSED_TOL)
+    if variant == "full_width_norm":  # q and k: reported with the reason
+        assert [(m.reason.split(":")[0], n) for m, n in fusion_pass.near_misses().items()] == [
+            ("RMSNorm over the whole projection width, then heads -> RoPE (e.g. OLMo2)", 2)]
 
 
 def test_cache_of_another_dtype_than_k_is_left_alone():
