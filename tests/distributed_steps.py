@@ -1,8 +1,9 @@
-"""What one rank runs in ``test_distributed.py``: a tiny model under FSDP2 or tensor parallelism,
-compiled without and then with the pass, on the gloo backend (CPU).
+"""What one rank runs in ``test_distributed.py``: tiny transformers models under FSDP2 or tensor
+parallelism, compiled without and then with the pass, on the gloo backend (CPU).
 
-``run_rank(rank, world, port, scenario, out_dir)`` is the ``torch.multiprocessing.spawn`` target;
-it writes ``out_dir/rank<r>.json`` with what the test asserts on:
+``run_rank(rank, world, port, scenarios, out_dir)`` is the ``torch.multiprocessing.spawn`` target; it
+runs each scenario in turn (one process start for all) and writes ``out_dir/<scenario>.rank<r>.json``
+with what the test asserts on:
 
 * ``fused``: ``fusion_pass.match_counts()`` of the compile with the pass (graphs compiled on this rank);
 * ``ops``: fusion_pass op calls while the backward ran (training);
@@ -12,15 +13,15 @@ it writes ``out_dir/rank<r>.json`` with what the test asserts on:
 * ``max_grad_err`` (training) / ``max_logit_err`` and ``logit_scale`` (inference): against the same
   parallel run without the pass, this rank's local shards.
 
-Scenarios:
+A scenario is ``<parallelism>:<model>``, the model ``qwen3`` (transformers' Qwen3) or ``hunyuan``
+(HunYuanDenseV1: RoPE, then the norm), the parallelism one of:
 
-* ``fsdp2_train``: transformers' Qwen3 (fp32), ``fully_shard`` per decoder layer and the model, each
-  layer compiled (``layer.compile``), one training step.
-* ``tp_train``: Qwen3 (fp32) with ``parallelize_module``: q/k/v and MLP up projections column-wise,
-  o_proj and down_proj row-wise (each rank holds half of the heads), the model compiled, one step.
-* ``tp_infer``: the same plan on a bf16 Qwen3, ``StaticCache`` (its layers sized from the rank's
-  own key/value heads on first use), prefill then one decode step.
-* ``hunyuan_tp_train``: transformers' HunYuanDenseV1 (RoPE, then the norm) under the same plan.
+* ``fsdp2_block`` / ``fsdp2_whole``: fp32, ``fully_shard`` per decoder layer and the model, then each
+  layer compiled (``layer.compile``) or the whole model; one training step.
+* ``tp``: fp32, ``parallelize_module`` with q/k/v and MLP up projections column-wise, o_proj and
+  down_proj row-wise (each rank holds half of the heads), the model compiled; one training step.
+* ``tp_infer``: the same plan on a bf16 model, a ``StaticCache`` (its layers sized from the rank's own
+  key/value heads on first use), prefill then one decode step.
 """
 
 from __future__ import annotations
@@ -82,13 +83,13 @@ def _train_step(model, compile_model, ids) -> dict:
     return dict(ops.counts)
 
 
-def _training(scenario: str, mesh, rank: int) -> dict:
+def _training(parallelism: str, family: str, mesh, rank: int) -> dict:
     import fusion_pass
     from qkv_rope_qk_norm_models import joint_pass_backend
 
     def build() -> torch.nn.Module:  # twice: FSDP2 modules cannot be deep-copied
-        model = _model("hunyuan" if scenario.startswith("hunyuan") else "qwen3", torch.float32)
-        if scenario == "fsdp2_train":
+        model = _model(family, torch.float32)
+        if parallelism.startswith("fsdp2"):
             from torch.distributed.fsdp import fully_shard
 
             for layer in model.model.layers:
@@ -99,7 +100,7 @@ def _training(scenario: str, mesh, rank: int) -> dict:
         return model
 
     def compile_model(m):
-        if scenario == "fsdp2_train":  # FSDP2's recipe: one compile per transformer block
+        if parallelism == "fsdp2_block":  # FSDP2's recipe: one compile per transformer block
             for layer in m.model.layers:
                 layer.compile(backend=joint_pass_backend())
             return m
@@ -120,14 +121,14 @@ def _training(scenario: str, mesh, rank: int) -> dict:
                 max_grad_err=max(errors))
 
 
-def _inference(mesh) -> dict:
+def _inference(family: str, mesh) -> dict:
     from compile_capture import compile_forward
     from qkv_rope_qk_norm_models import OpCounter
     from test_qk_norm_rope_cache_model import _prefill_and_decode
 
     import fusion_pass
 
-    model = _model("qwen3", torch.bfloat16).eval()
+    model = _model(family, torch.bfloat16).eval()
     model.config.use_cache = True
     _tensor_parallel(model, mesh)
     ids = torch.randint(0, GEOMETRY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
@@ -152,15 +153,22 @@ def _inference(mesh) -> dict:
                 cache_kv_heads=cache.layers[0].keys.shape[1])
 
 
-def run_rank(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
+def run_rank(rank: int, world: int, port: int, scenarios: list[str], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        import fusion_pass
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
-        result = _inference(mesh) if scenario == "tp_infer" else _training(scenario, mesh, rank)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+        for scenario in scenarios:
+            parallelism, family = scenario.split(":")
+            fusion_pass.uninstall()  # the unfused run of each scenario comes first
+            fusion_pass.reset_report()
+            torch._dynamo.reset()
+            result = (_inference(family, mesh) if parallelism == "tp_infer"
+                      else _training(parallelism, family, mesh, rank))
+            with open(os.path.join(out_dir, f"{scenario}.rank{rank}.json"), "w") as f:
+                json.dump(result, f)
     finally:
         dist.destroy_process_group()
