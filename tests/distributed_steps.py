@@ -7,9 +7,10 @@ with what the test asserts on:
 
 * ``fused``: ``fusion_pass.match_counts()`` of the compile with the pass (graphs compiled on this rank);
 * ``ops``: fusion_pass op calls while the backward ran (training);
-* ``collectives`` / ``collectives_unfused``: calls of ``_c10d_functional`` and ``c10d`` ops in the
-  same region (the backward; prefill + decode, run a second time: compiling under the counter's
-  dispatch mode would not compile), with and without the pass (the pass must not add or drop one);
+* ``collectives`` / ``collectives_unfused``: the ``_c10d_functional`` and ``c10d`` ops that ran, in
+  order, in the same region (the backward; prefill + decode, run a second time: compiling under the
+  logger's dispatch mode would not compile), with and without the pass (the pass must not add, drop
+  or reorder one);
 * ``max_grad_err`` (training) / ``max_logit_err`` and ``logit_scale`` (inference): against the same
   parallel run without the pass, this rank's local shards.
 
@@ -22,6 +23,8 @@ A scenario is ``<parallelism>:<model>``, the model ``qwen3`` (transformers' Qwen
   down_proj row-wise (each rank holds half of the heads), the model compiled; one training step.
 * ``tp_infer``: the same plan on a bf16 model, a ``StaticCache`` (its layers sized from the rank's own
   key/value heads on first use), prefill then one decode step.
+* ``fsdp2_tp``: 4 ranks, a 2 x 2 mesh: the ``tp`` plan on the "tp" dimension, then ``fully_shard`` per
+  layer and the model on the "dp" one, the model compiled; one training step.
 """
 
 from __future__ import annotations
@@ -36,8 +39,22 @@ GEOMETRY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, nu
                 num_hidden_layers=2, vocab_size=128, max_position_embeddings=256)
 
 
-def _collective_calls(counts: dict) -> dict:
-    return {op: n for op, n in counts.items() if "c10d" in op}
+def _op_log():
+    """An ``OpCounter`` that also keeps the collectives (``c10d`` and ``_c10d_functional`` ops) in the
+    order they ran."""
+    from qkv_rope_qk_norm_models import OpCounter
+
+    class CollectiveLog(OpCounter):
+        def __init__(self):
+            super().__init__()
+            self.collectives: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "c10d" in str(func):
+                self.collectives.append(str(func))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return CollectiveLog()
 
 
 def _fusion_calls(counts: dict) -> dict:
@@ -73,14 +90,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _train_step(model, compile_model, ids) -> dict:
-    """One compiled forward, then the backward under an op counter."""
-    from qkv_rope_qk_norm_models import OpCounter
-
+def _train_step(model, compile_model, ids):
+    """One compiled forward, then the backward under ``_op_log``: (op counts, collectives in order)."""
     loss = compile_model(model)(input_ids=ids, labels=ids).loss
-    with OpCounter() as ops:
+    with _op_log() as ops:
         loss.backward()
-    return dict(ops.counts)
+    return dict(ops.counts), ops.collectives
 
 
 def _training(parallelism: str, family: str, mesh, rank: int) -> dict:
@@ -89,14 +104,17 @@ def _training(parallelism: str, family: str, mesh, rank: int) -> dict:
 
     def build() -> torch.nn.Module:  # twice: FSDP2 modules cannot be deep-copied
         model = _model(family, torch.float32)
+        if parallelism == "fsdp2_tp":
+            _tensor_parallel(model, mesh["tp"])
+        elif parallelism == "tp":
+            _tensor_parallel(model, mesh)
         if parallelism.startswith("fsdp2"):
             from torch.distributed.fsdp import fully_shard
 
+            data = mesh["dp"] if parallelism == "fsdp2_tp" else mesh
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:
-            _tensor_parallel(model, mesh)
+                fully_shard(layer, mesh=data)
+            fully_shard(model, mesh=data)
         return model
 
     def compile_model(m):
@@ -108,22 +126,20 @@ def _training(parallelism: str, family: str, mesh, rank: int) -> dict:
 
     model, unfused = build(), build()
     ids = torch.randint(0, GEOMETRY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1 + rank))
-    unfused_counts = _train_step(unfused, compile_model, ids)
+    _, unfused_collectives = _train_step(unfused, compile_model, ids)
     torch._dynamo.reset()
     fusion_pass.install(devices="cpu")
-    counts = _train_step(model, compile_model, ids)
+    counts, collectives = _train_step(model, compile_model, ids)
     errors = []
     for (name, p), (_, q) in zip(model.named_parameters(), unfused.named_parameters()):
         got, want = _local(p.grad), _local(q.grad)
         errors.append(((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
     return dict(fused=fusion_pass.match_counts(), near_misses=len(fusion_pass.near_misses()), ops=_fusion_calls(counts),
-                collectives=_collective_calls(counts), collectives_unfused=_collective_calls(unfused_counts),
-                max_grad_err=max(errors))
+                collectives=collectives, collectives_unfused=unfused_collectives, max_grad_err=max(errors))
 
 
 def _inference(family: str, mesh) -> dict:
     from compile_capture import compile_forward
-    from qkv_rope_qk_norm_models import OpCounter
     from test_qk_norm_rope_cache_model import _prefill_and_decode
 
     import fusion_pass
@@ -135,20 +151,19 @@ def _inference(family: str, mesh) -> dict:
 
     def counted_run(forward):  # compiled by a first run: compiling under a dispatch mode would not compile
         _prefill_and_decode(forward, model.config, ids, 32, 1)
-        with OpCounter() as ops:
+        with _op_log() as ops:
             logits, cache = _prefill_and_decode(forward, model.config, ids, 32, 1)
-        return logits, cache, dict(ops.counts)
+        return logits, cache, ops.collectives
 
-    ref_logits, ref_cache, unfused_counts = counted_run(torch.compile(model))
+    ref_logits, ref_cache, unfused_collectives = counted_run(torch.compile(model))
     torch._dynamo.reset()
-    logits, cache, counts = counted_run(compile_forward(model)[0])
+    logits, cache, collectives = counted_run(compile_forward(model)[0])
     errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(logits, ref_logits)]
     cache_errors = [(a.float() - b.float()).abs().max().item()
                     for layer, ref in zip(cache.layers, ref_cache.layers)
                     for a, b in ((layer.keys, ref.keys), (layer.values, ref.values))]
     return dict(fused=fusion_pass.match_counts(), near_misses=len(fusion_pass.near_misses()),
-                collectives=_collective_calls(counts), collectives_unfused=_collective_calls(unfused_counts),
-                max_logit_err=max(errors),
+                collectives=collectives, collectives_unfused=unfused_collectives, max_logit_err=max(errors),
                 logit_scale=max(t.float().abs().max().item() for t in ref_logits), max_cache_err=max(cache_errors),
                 cache_kv_heads=cache.layers[0].keys.shape[1])
 
@@ -160,7 +175,10 @@ def run_rank(rank: int, world: int, port: int, scenarios: list[str], out_dir: st
         import fusion_pass
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
+        if world == 4:  # FSDP2 x TP
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
         for scenario in scenarios:
             parallelism, family = scenario.split(":")
             fusion_pass.uninstall()  # the unfused run of each scenario comes first
