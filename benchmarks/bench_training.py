@@ -11,7 +11,7 @@ dense MLPs); ``--model hunyuan``: ``HunYuanDenseV1ForCausalLM`` (RoPE, then the 
 Face Trainer's ``bf16=True``). ``--train full``: every weight trained, no adapters (the projection family
 ``qkv_rope_qk_norm`` then fuses each layer's projection and backward, one count per layer).
 
-Per variant: gradients of the first step against eager's (max over adapters and norm weights of
+Per variant: gradients of the first step against eager's (max over the trained parameters of
 max|g - g_eager| / max|g_eager|), then the median of ``--steps`` timed steps (forward + backward +
 AdamW), then the two compiled variants of each mode timed again in alternating rounds (the ratio
 quoted). Usage: ``python benchmarks/bench_training.py --out DIR [--model qwen3|glm45|hunyuan] [--train lora|full]

@@ -102,7 +102,7 @@ def qk_norm_rope_backward(
         rstd: [B, H, S] or [B, H, S, 1], the forward norm's fp32 ``rsqrt(mean(.^2) + eps)``.
         cos, sin: [Bc, S, R], Bc in {1, B}, R = D or, for partial rotary, the rotated features' count
             (the first R; the rest pass through); weight: [D]. All in grad's dtype, which is x's, or fp32
-            with a bf16/fp16 x under autocast (Qwen3's norm form, norm first).
+            with a bf16/fp16 x (autocast over an fp32 model).
         need_weight_grad, need_cos_sin_grad: which optional gradients to return.
         rope_first: the forward's order (True: RoPE, then the norm).
         norm_style: the norm form, ``NORM_STYLES`` (0: ``w * R(n)``, Qwen3's and weight-free ones

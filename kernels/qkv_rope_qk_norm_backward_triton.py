@@ -61,7 +61,7 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    grads). At the end the weight accumulators are summed over tokens once per program (one
    partial row per program and q/k, finished as below), and the cos/sin sums are complete when
    NS = 1 and Bc = B: the kernel rounds and writes grad_cos / grad_sin itself (no workspace, no
-   finishing pass for them); otherwise fp32 rows go to an [NS, M, 2D] workspace that the
+   finishing pass for them); otherwise fp32 rows go to an [NS, M, 2*RW] workspace (RW: the tables' width) that the
    finishing launch sums over slices and batch. NS: doubled (up to Hq) until the grid reaches
    ``ROWS_PROGRAMS_PER_SM * SMs`` programs, so large M keeps all 48 heads of a token in one
    program and small M splits them to fill the GPU (M = 128: 8 token tiles x 32 slices).
@@ -85,7 +85,7 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    fp32 partial row (its tiles, summed over heads and tokens) to ``[PQ + PK, D]``;
    ``_finish_partials_kernel`` sums rows [0, PQ) and [PQ, PQ + PK) in a fixed order.
    grad_cos/sin: each tile writes its per-token sums over its heads to an fp32 workspace
-   ``[q head blocks + k head blocks, M, 2*D]``; the same ``_finish_partials_kernel`` launch sums over head blocks
+   ``[q head blocks + k head blocks, M, 2*RW]``; the same ``_finish_partials_kernel`` launch sums over head blocks
    (outer) and, for a broadcast ``Bc == 1 < B``, over b (inner), rounding once. Neither workspace
    is touched when its grads are not requested. The partials do not depend on the program count,
    so grad_qkv and grad_cos/sin bits do not either (weight grads: within 1 ulp).
@@ -390,7 +390,7 @@ def _qk_tile(
     cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss,
     w1, w2,  # [BLOCK_HALF] fp32 norm-weight halves
     o_ptr, o_sb, o_ss,  # d(proj) [B, S, H*D]
-    cs_ptr,  # fp32 cos/sin partial rows of this head block: [M, 2*D] (NEED_CS)
+    cs_ptr,  # fp32 cos/sin partial rows of this head block: [M, 2*RW], RW the tables' width (NEED_CS)
     h0, t0, M, S,
     H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BH: tl.constexpr, BT: tl.constexpr,
@@ -510,14 +510,14 @@ def _qk_norm_rope_bwd_kernel(
     k_ptr, k_sb, k_ss, k_sh,  # k [B, S, Hkv, D]
     rq_ptr, rq_sb, rq_sh, rq_ss,  # q_rstd [B, Hq, S]
     rk_ptr, rk_sb, rk_sh, rk_ss,  # k_rstd [B, Hkv, S]
-    cos_ptr, cos_sb, cos_ss,  # cos [Bc, S, D] (cos_sb = 0 when Bc == 1)
+    cos_ptr, cos_sb, cos_ss,  # cos [Bc, S, RW] (cos_sb = 0 when Bc == 1)
     sin_ptr, sin_sb, sin_ss,
     wq_ptr, wk_ptr,  # norm weights [D], contiguous
     dq_ptr, dq_sb, dq_ss,  # output: d(q_proj) [B, S, Hq*D], heads contiguous
     dk_off, dk_sb, dk_ss,  # d(k_proj) at dq_ptr + dk_off (one buffer: see _elementwise)
     dv_off, dv_sb, dv_ss,
     gw_ws_ptr,  # [PQ + PK, D] fp32 norm-weight partials, one row per q / k program (NEED_W)
-    cs_ws_ptr,  # [NQB + NKB, M, 2*D] fp32 cos/sin partials per (head block, token) (NEED_CS)
+    cs_ws_ptr,  # [NQB + NKB, M, 2*RW] fp32 cos/sin partials per (head block, token) (NEED_CS)
     M, S,
     GQ, GK, GV,  # programs per head block (token groups) of q, k, v
     NTT_Q, NTT_KV,  # token tiles of q, of k/v
@@ -705,15 +705,15 @@ def _qk_norm_rope_bwd_rows_kernel(
     k_ptr, k_sb, k_ss, k_sh,  # k [B, S, Hkv, D]
     rq_ptr, rq_sb, rq_sh, rq_ss,  # q_rstd [B, Hq, S]
     rk_ptr, rk_sb, rk_sh, rk_ss,  # k_rstd [B, Hkv, S]
-    cos_ptr, cos_sb, cos_ss,  # cos [Bc, S, D] (cos_sb = 0 when Bc == 1)
+    cos_ptr, cos_sb, cos_ss,  # cos [Bc, S, RW] (cos_sb = 0 when Bc == 1)
     sin_ptr, sin_sb, sin_ss,
     wq_ptr, wk_ptr,  # norm weights [D], contiguous
     dq_ptr, dq_sb, dq_ss,  # output: d(q_proj) [B, S, Hq*D], heads contiguous
     dk_off, dk_sb, dk_ss,  # d(k_proj) at dq_ptr + dk_off (one buffer: see _elementwise)
     dv_off, dv_sb, dv_ss,
     gw_ws_ptr,  # [2 * P, D] fp32 norm-weight partials: q rows [0, P), k rows [P, 2P) (NEED_W)
-    cs_ws_ptr,  # [NS, M, 2*D] fp32 cos/sin partials per (head slice, token) (NEED_CS, not CS_DIRECT)
-    gc_ptr, gs_ptr,  # grad_cos / grad_sin [B, S, D] contiguous (NEED_CS and CS_DIRECT)
+    cs_ws_ptr,  # [NS, M, 2*RW] fp32 cos/sin partials per (head slice, token) (NEED_CS, not CS_DIRECT)
+    gc_ptr, gs_ptr,  # grad_cos / grad_sin [B, S, RW] contiguous (NEED_CS and CS_DIRECT)
     M, S, P,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
@@ -1244,7 +1244,7 @@ def qk_norm_rope_backward_in_graph(
 
     Returns:
         (grad_proj [B*S, (Hq + 2*Hkv) * D] with q's dtype, columns ordered q | k | v;
-        grad_q_weight, grad_k_weight [D]; grad_cos, grad_sin [Bc, S, D]), None where not requested.
+        grad_q_weight, grad_k_weight [D]; grad_cos, grad_sin [Bc, S, RW], RW the tables' width), None where not requested.
     """
     B, HQ, S, D = grad_q.shape
     HKV = grad_k.shape[1]

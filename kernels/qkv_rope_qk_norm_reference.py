@@ -146,9 +146,10 @@ def _norm_rope_backward_one(
     # The norm's input x (rope(p) recomputed with the forward's roundings, or p), its normalized row.
     rotary_dim = cos4.shape[-1]
     x = partial_rope_reference(x_pre, cos4, sin4) if rope_first else x_pre
+    norm_dtype = x.dtype  # the norm's input: x_pre's, or RoPE's fp32 output over bf16 x_pre under autocast
     rstd = rstd.to(acc).unsqueeze(-1)
     n = x.to(acc) * rstd
-    n_rounded = n.to(dtype).to(acc)  # eager multiplies the weight by the rounded row
+    n_rounded = n.to(norm_dtype).to(acc)  # eager multiplies the weight by the rounded row
     g = grad_out.to(acc)
     if not rope_first:  # the gradient reaching the norm's output: RoPE's backward of grad_out
         g = rope_transposed(g, cos_a, sin_a)
@@ -157,7 +158,7 @@ def _norm_rope_backward_one(
     g_n = g * weight_eff
     # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g_n - n * mean(g_n * n)).
     grad_x = rstd * (g_n - n * (g_n * n).mean(-1, keepdim=True))
-    grad_x = grad_x.to(dtype).to(acc)  # eager rounds at the norm's input cast (no-op in fp32)
+    grad_x = grad_x.to(norm_dtype).to(acc)  # eager rounds at the norm's input cast (no-op in fp32)
     if not rope_first:
         if norm_style == 0:  # the norm's output, RoPE's input
             normed = (weight * n_rounded.to(dtype)).to(acc)

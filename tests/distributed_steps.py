@@ -33,6 +33,8 @@ import json
 import os
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 
 GEOMETRY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -125,7 +127,9 @@ def _training(parallelism: str, family: str, mesh, rank: int) -> dict:
         return torch.compile(m, backend=joint_pass_backend())
 
     model, unfused = build(), build()
-    ids = torch.randint(0, GEOMETRY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1 + rank))
+    # A batch per data-parallel rank; the ranks of a tensor-parallel group share theirs.
+    data_rank = {"tp": 0, "fsdp2_tp": mesh["dp"].get_local_rank() if parallelism == "fsdp2_tp" else 0}.get(parallelism, rank)
+    ids = torch.randint(0, GEOMETRY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1 + data_rank))
     _, unfused_collectives = _train_step(unfused, compile_model, ids)
     torch._dynamo.reset()
     fusion_pass.install(devices="cpu")
@@ -168,9 +172,14 @@ def _inference(family: str, mesh) -> dict:
                 cache_kv_heads=cache.layers[0].keys.shape[1])
 
 
-def run_rank(rank: int, world: int, port: int, scenarios: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRITON_INTERPRET="1")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def run_rank(rank: int, world: int, rendezvous: str, scenarios: list[str], out_dir: str) -> None:
+    """``rendezvous``: a file path no other group uses (``init_method="file://..."``: no port to race for)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    # As conftest.py does in the test process: a warm FX graph / AOT autograd cache would serve a
+    # compiled graph without running the pass (its counts would read 0).
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         import fusion_pass
         from torch.distributed.device_mesh import init_device_mesh

@@ -321,7 +321,8 @@ def test_autocast_over_an_fp32_model_fuses_like_the_unfused_graph(case):
     outputs, fp32 weights and tables, each form ending in its own dtype (fp32 after Qwen3's
     ``w * n`` or RoPE, x's after ``type_as(x)``). Fused, with the unfused graph's gradients: fp32
     sums may differ in their last bits (summation order), and a dot product summed in another order
-    can flip one bf16 rounding of the norm's input grad (seen once in 20 such blocks: 2.2e-4)."""
+    can flip one bf16 rounding of the norm's input grad (seen once in 20 such blocks: 2.2e-4). A rounding
+    in the wrong dtype (e.g. RoPE's backward in fp32 after Gemma's norm) moves them by ~4e-3."""
     torch.manual_seed(0)
     block = SpelledBlock(projection="lora", **AUTOCAST_CASES[case])
     unfused = copy.deepcopy(block)
@@ -336,7 +337,7 @@ def test_autocast_over_an_fp32_model_fuses_like_the_unfused_graph(case):
     assert fusion_pass.match_counts() == {FAMILY: 2}, fusion_pass.report()
     names = [f"input_{i}" for i in range(3)]
     errors = compare_grads(block, unfused, list(zip(names, inputs, unfused_inputs)))
-    assert max(errors.values()) < 2.0 ** -8, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    assert max(errors.values()) < 1e-3, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
 def test_tables_in_another_dtype_than_the_model_are_a_near_miss():

@@ -174,11 +174,12 @@ def test_hf_hybrid_families_prefill_then_decode(family):
     bounds = [8 * BF16_EPS * ref.float().abs().max().item() for ref in ref_logits]  # as the GPU test allows
     if any(err > bound for err, bound in zip(errors, bounds)):
         # Drift beyond that (Gemma4's 512-wide full layer, whose cache rows the pass writes closer to
-        # eager's than stock compile does): within twice what stock compile drifts on this model.
+        # eager's than stock compile does): within twice what stock compile drifts on this model, and
+        # never past 4x the bound.
         torch._dynamo.reset()
         stock_logits, _ = _prefill_and_decode(torch.compile(model.forward), config, input_ids, cache_len, steps)
         stock = max((s.float() - r.float()).abs().max().item() for s, r in zip(stock_logits, ref_logits))
-        assert all(err <= max(bound, 2 * stock) for err, bound in zip(errors, bounds)), (errors, stock)
+        assert all(err <= max(bound, min(2 * stock, 4 * bound)) for err, bound in zip(errors, bounds)), (errors, stock)
     written = seq + steps
     checked = 0
     for layer, ref_layer in zip(cache.layers, ref_cache.layers):
