@@ -104,6 +104,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import fusion_pass  # noqa: E402
+from training_step import make_train_step  # noqa: E402
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a module global so that a CPU dry run of the CUDA path can swap it
@@ -555,18 +556,6 @@ def grad_errors(model, ref_grads: dict) -> tuple[float, str]:
         if err > worst:
             worst, worst_name = err, n
     return worst, worst_name
-
-
-def make_train_step(fn, optimizer, ids):
-    """One training step of the (compiled) model ``fn``: forward with labels, backward, AdamW."""
-    def step():
-        loss = fn(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return step
 
 
 def run_train_case(name: str, batch: int, seq: int, g: Geometry, steps: int, warmup: int) -> dict:

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import fusion_pass
+from training_step import make_train_step
 
 FAMILY = "qk_norm_rope_backward"
 
@@ -93,16 +94,7 @@ def build(layers: int, family: str = "qwen3", dtype: torch.dtype = torch.bfloat1
 
 def step_fn(fn, model, ids, autocast: bool):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = fn(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+    return make_train_step(fn, optimizer, ids, autocast)
 
 
 def time_steps(step, n: int) -> list[float]:

@@ -84,17 +84,17 @@ def _region(norm: NormForm, placement: str, partial_rotary: bool = False) -> Cal
     """The search function ``(x, weight, cos, sin, eps) -> y`` of one tensor's norm and RoPE
     (without ``weight`` for weight-free norms); cos/sin arrive unsqueezed, as the model's
     ``apply_rotary_pos_emb`` makes them (the unsqueeze is shared by layers, so it stays outside)."""
+    rope = partial_rope_reference if partial_rotary else rope_reference  # partial: GLM-4.5, Qwen3-Next, Qwen3.5
+
     def region(x, weight, cos, sin, eps):
         if placement == "rope_first":
-            return norm.fn(rope_reference(x, cos, sin), weight, eps)
+            return norm.fn(rope(x, cos, sin), weight, eps)
         normed = norm.fn(x, weight, eps)
-        if partial_rotary:  # GLM-4.5's Glm4MoeAttention, Qwen3-Next, Qwen3.5
-            return partial_rope_reference(normed.transpose(1, 2), cos, sin)
         if placement == "norm_then_transpose":
-            return rope_reference(normed.transpose(1, 2), cos, sin)
+            return rope(normed.transpose(1, 2), cos, sin)
         if placement == "norm_after_transpose":
-            return rope_reference(normed, cos, sin)
-        return rope_reference(normed, cos, sin).transpose(1, 2)
+            return rope(normed, cos, sin)
+        return rope(normed, cos, sin).transpose(1, 2)
 
     if norm.weighted:
         return region
