@@ -22,6 +22,10 @@ Cases (on CUDA), each as eager / stock ``torch.compile`` / ``torch.compile`` wit
   Inductor options, ``torch._inductor.list_mode_options("reduce-overhead")``, merged into the pass's
   options, because torch.compile takes ``mode`` or ``options``, not both), i.e. replayed as CUDA graphs;
   ``torch.compiler.cudagraph_mark_step_begin()`` before every call, cudagraph skips recorded.
+* ``gemma4_prefill_B1_S2048``, ``gemma4_decode_B1_ctx2048_default``, ``gemma4_decode_B1_ctx2048``: the same
+  three kinds on transformers' ``Gemma4ForCausalLM`` (``gemma4_config``: a sliding layer of head_dim 256 and
+  a full layer of head_dim 512 with partial rotary, per pair of layers; RoPE on ``[B, S, H, D]`` before the
+  transpose). No fused-region share (that measurement is Qwen3's region).
 * ``hunyuan_train_B2_S2048``, ``hunyuan_train_B16_S256``: one training step of ``HunYuanDenseV1ForCausalLM`` (forward with
   ``labels``, ``loss.backward()``, ``torch.optim.AdamW.step()``, ``zero_grad``); the model is compiled,
   the optimizer runs eager in every variant. Family ``qkv_rope_qk_norm``.
@@ -125,6 +129,9 @@ CASES = {
     "qwen3_decode_B8_ctx256": ("decode", 8, 256),
     "qwen3_decode_B1_ctx2048_default": ("decode_default", 1, 2048),
     "qwen3_decode_B8_ctx256_default": ("decode_default", 8, 256),
+    "gemma4_prefill_B1_S2048": ("prefill", 1, 2048),
+    "gemma4_decode_B1_ctx2048_default": ("decode_default", 1, 2048),
+    "gemma4_decode_B1_ctx2048": ("decode", 1, 2048),
     "hunyuan_train_B2_S2048": ("train", 2, 2048),
     "hunyuan_train_B16_S256": ("train", 16, 256),
 }
@@ -211,6 +218,23 @@ def qwen3_config(g: Geometry, max_positions: int):
     )
 
 
+def gemma4_config(g: Geometry, max_positions: int):
+    """Gemma4 text layers as the 31B model pairs them: a sliding layer (head_dim 256) and a full one
+    (head_dim 512, partial "proportional" rotary), q/k normed per head; the geometry's heads and hidden
+    size; no per-layer input embeddings (the 31B model has none). The window (the 31B model's is 1024)
+    is set past the cases' contexts: a sliding cache that is full is written by a roll or a cat, which
+    the pass does not fuse (a reported near-miss), and these cases measure both layers' fused kernel."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=g.vocab, hidden_size=g.hidden, intermediate_size=g.intermediate, num_hidden_layers=g.layers,
+        num_attention_heads=g.q_heads, num_key_value_heads=g.kv_heads, head_dim=256, global_head_dim=512,
+        layer_types=["sliding_attention", "full_attention"] * (g.layers // 2) + ["sliding_attention"] * (g.layers % 2),
+        sliding_window=4096, hidden_size_per_layer_input=0, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, use_cache=True, attn_implementation="sdpa",
+    )
+
+
 def hunyuan_config(g: Geometry, max_positions: int):
     from transformers import HunYuanDenseV1Config
 
@@ -236,7 +260,8 @@ def new_static_cache(config, max_cache_len: int, batch: int, device: str, dtype:
     from transformers import StaticCache
 
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    if hasattr(cache, "early_initialization"):
+    # Gemma4's layers differ in head_dim: their caches are allocated by the eager prefill instead.
+    if hasattr(cache, "early_initialization") and not config.model_type.startswith("gemma4"):
         cache.early_initialization(batch, config.num_key_value_heads, config.head_dim, dtype, torch.device(device))
     return cache
 
@@ -247,6 +272,8 @@ def set_cache_length(cache, length: int) -> None:
         counter = getattr(layer, "cumulative_length", None)
         if isinstance(counter, torch.Tensor):
             counter.fill_(length)
+        if isinstance(getattr(layer, "cumulative_length_int", None), int):  # sliding layers keep both
+            layer.cumulative_length_int = length
 
 
 def lm_kwargs(model, cache, input_ids: torch.Tensor, start: int) -> dict:
@@ -373,7 +400,7 @@ def run_inference_case(name: str, kind: str, batch: int, seq: int, model, config
     decode = kind in ("decode", "decode_default")
     cudagraphs = kind == "decode"
     cache_len = seq + CACHE_HEADROOM
-    r: dict = dict(case=name, model="Qwen3ForCausalLM", kind=kind, B=batch, S=1 if decode else seq,
+    r: dict = dict(case=name, model=type(model).__name__, kind=kind, B=batch, S=1 if decode else seq,
                    context=seq if decode else 0, cache_len=cache_len, cudagraphs=cudagraphs,
                    expected_family=FWD_FAMILY, expected_matches=g.layers, variants={})
     gen = torch.Generator(device=device).manual_seed(batch * 10_000 + seq)
@@ -461,6 +488,9 @@ def run_inference_case(name: str, kind: str, batch: int, seq: int, model, config
     kept = None
     torch._dynamo.reset()
 
+    if r["model"] != "Qwen3ForCausalLM":  # the region below is Qwen3's, at Qwen3's geometry
+        finish_case(r, g)
+        return r
     with recorded(r, "fused_region"):
         r["fused_region"] = inference_region_times(batch, 1 if decode else seq, start, cache_len, g,
                                                    config.rms_norm_eps)
@@ -908,24 +938,31 @@ def run_cuda(args, g: Geometry) -> int:
             f.write(markdown(result))
 
     start = time.perf_counter()
-    qwen = None
+    built = None  # (model family, model, config): one inference model at a time
     for name in selected:
         kind, batch, seq = CASES[name]
+        family = name.split("_")[0]
         t0 = time.perf_counter()
         log(f"case {name} ({kind}, B={batch}, S={seq})")
         try:
+            if built is not None and built[0] != family:
+                built = None
+                torch.cuda.empty_cache()
             if kind == "train":
-                if qwen is not None:
-                    qwen = None
-                    torch.cuda.empty_cache()
                 r = run_train_case(name, batch, seq, g, steps, warmup)
             else:
-                if qwen is None:
-                    from transformers import Qwen3ForCausalLM
+                if built is None:
+                    positions = max(4096, max(s for _, _, s in CASES.values()) + CACHE_HEADROOM)
+                    if family == "gemma4":
+                        from transformers import Gemma4ForCausalLM as cls
 
-                    config = qwen3_config(g, max(4096, max(s for _, _, s in CASES.values()) + CACHE_HEADROOM))
-                    qwen = (build_model(Qwen3ForCausalLM, config, DEVICE, DTYPE).eval(), config)
-                r = run_inference_case(name, kind, batch, seq, qwen[0], qwen[1], g, rep_ms)
+                        config = gemma4_config(g, positions)
+                    else:
+                        from transformers import Qwen3ForCausalLM as cls
+
+                        config = qwen3_config(g, positions)
+                    built = (family, build_model(cls, config, DEVICE, DTYPE).eval(), config)
+                r = run_inference_case(name, kind, batch, seq, built[1], built[2], g, rep_ms)
         except Exception as e:  # noqa: BLE001 - the case is recorded as failed, the run goes on
             r = dict(case=name, kind=kind, B=batch, S=seq, errors={"case": error_text(e)},
                      tracebacks={"case": traceback.format_exc()[-3000:]})

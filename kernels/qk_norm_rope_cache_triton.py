@@ -84,12 +84,12 @@ two ``[heads, tokens, D/2]`` tiles then hold, in lanes ``d < R/2``, the rotated 
 the pass-through lanes keep the normed value (``_partial_rope``). With R and D multiples of 16
 every run is 16-byte aligned; compiled for sm_90 the bf16 D = 128, R = 64 build keeps all its
 q/k/cos/sin accesses ``v4`` (65 registers, no spills, no barriers). The constexpr
-``INTERLEAVED`` rotates GPT-J's pairs ``(x[2i], x[2i+1])``: the tiles hold the even and the odd
-features, both taking entry i of cos/sin. v2 loads whole rows with 16-byte vectors and splits
-them in registers (``_load_pair_tiles``; stores join them back); v1's stride-2 addresses ran
-16x slower than the default on the H200 (537.5 vs 34.4 us, graph replay, S = 2048, 96/8 heads).
-The sm_90 build of v2 moves the split halves into the math's layout through shared memory (4
-conversions, 14 barriers; the default build has none). With ``ROTARY_DIM = D`` and ``INTERLEAVED`` off, the build has the
+``INTERLEAVED`` rotates GPT-J's pairs ``(x[2i], x[2i+1])``, both by entry i of cos/sin: the
+program then holds whole ``[heads, tokens, D]`` rows (16-byte runs per lane), and each feature's
+partner ``x[d ^ 1]`` is exchanged inside the lane's registers (``_pair_swap``). cos/sin are loaded
+as ``[heads, tokens, D/2]`` tiles and each entry doubled into the rows' layout: one shared-memory
+conversion per table per program (6 barriers in the small tile's sm_90 build, 7 in the streaming
+tile's), where splitting the rows into pair tiles converted every block of q and k. With ``ROTARY_DIM = D`` and ``INTERLEAVED`` off, the build has the
 same instructions as before these two options (sm_90 PTX compared: the same instruction counts
 by opcode; two address additions are scheduled earlier).
 
@@ -185,45 +185,67 @@ def _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs
 
 @triton.jit
 def _load_pair_tiles(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, ht_mask, d_mask3,
-                     HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS: tl.constexpr, TOKENS: tl.constexpr,
-                     SECOND_OFFSETS: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The two ``[heads, rows, D/2]`` tiles of the RoPE pairs, in fp32 (``ht_mask`` [heads, rows]).
-
-    Interleaved pairs ``(x[2i], x[2i+1])`` are loaded as whole contiguous rows (16-byte vectors)
-    and split in registers: v1 loaded them with stride-2 addresses, 16x slower on the H200.
-    """
-    if INTERLEAVED:
-        full = tl.arange(0, 2 * HALF_BLOCK)
-        offs = _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, full)
-        row = tl.load(ptr + offs, mask=ht_mask[:, :, None] & (full < 2 * HALF)[None, None, :], other=0.0,
-                      eviction_policy="evict_first")
-        x1, x2 = tl.split(tl.reshape(row, [HEADS, TOKENS, HALF_BLOCK, 2]))
-    else:
-        mask = ht_mask[:, :, None] & d_mask3
-        src, src2 = _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF,
-                                   SECOND_OFFSETS)
-        x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first")
-        x2 = tl.load(src2, mask=mask, other=0.0, eviction_policy="evict_first")
+                     HALF: tl.constexpr, SECOND_OFFSETS: tl.constexpr):
+    """The two ``[heads, rows, D/2]`` tiles of the RoPE pairs, in fp32 (``ht_mask`` [heads, rows])."""
+    mask = ht_mask[:, :, None] & d_mask3
+    src, src2 = _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF,
+                               SECOND_OFFSETS)
+    x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first")
+    x2 = tl.load(src2, mask=mask, other=0.0, eviction_policy="evict_first")
     return x1.to(tl.float32), x2.to(tl.float32)
 
 
 @triton.jit
 def _store_pair_tiles(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, ht_mask, d_mask3,
-                      out1, out2, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS: tl.constexpr,
-                      TOKENS: tl.constexpr, SECOND_OFFSETS: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Store the two tiles where ``_load_pair_tiles`` loads them from (interleaved: joined back
-    into contiguous rows)."""
-    if INTERLEAVED:
-        full = tl.arange(0, 2 * HALF_BLOCK)
-        offs = _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, full)
-        row = tl.reshape(tl.join(out1, out2), [HEADS, TOKENS, 2 * HALF_BLOCK])
-        tl.store(ptr + offs, row, mask=ht_mask[:, :, None] & (full < 2 * HALF)[None, None, :])
+                      out1, out2, HALF: tl.constexpr, SECOND_OFFSETS: tl.constexpr):
+    """Store the two tiles where ``_load_pair_tiles`` loads them from."""
+    mask = ht_mask[:, :, None] & d_mask3
+    dst, dst2 = _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF,
+                               SECOND_OFFSETS)
+    tl.store(dst, out1, mask=mask)
+    tl.store(dst2, out2, mask=mask)
+
+
+@triton.jit
+def _pair_swap(x, HEADS: tl.constexpr, TOKENS: tl.constexpr, HALF_BLOCK: tl.constexpr):
+    """``x[..., d ^ 1]`` of a ``[heads, tokens, D]`` row tile: the two features of each interleaved
+    pair exchanged. A lane holds whole 16-byte runs of a row, so the split and join stay in its
+    registers (no shared memory), and a permutation is exact."""
+    even, odd = tl.split(tl.reshape(x, [HEADS, TOKENS, HALF_BLOCK, 2]))
+    return tl.reshape(tl.join(odd, even), [HEADS, TOKENS, 2 * HALF_BLOCK])
+
+
+@triton.jit
+def _norm_rope_interleaved(
+    x, weight_ptr, feats, f_mask, eps, cos, sin_signed,
+    in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
+    TOKENS: tl.constexpr, HALF_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
+    ROPE_FIRST: tl.constexpr,
+):
+    """``_norm_rope`` of interleaved (GPT-J) pairs on whole ``[heads, tokens, D]`` rows (fp32,
+    values of the model dtype): ``cos[..., d]`` holds the table's entry ``d // 2`` and
+    ``sin_signed`` the same entry negated on even features, so
+    ``rope(y) = y * cos + y[d ^ 1] * sin_signed`` (``(y_e c - y_o s, y_o c + y_e s)``, each product
+    rounded, then the sum). Returns the rows rounded to ``dtype`` (held in fp32)."""
+    if NORM_STYLE != 3:
+        # Addressed per row (L1 hits), so the load takes the rows' layout: a [D] load would be
+        # converted into it through shared memory.
+        per_row = tl.zeros([HEADS, TOKENS, 1], tl.int32)
+        w = tl.load(weight_ptr + (per_row + feats[None, None, :]), mask=(per_row == 0) & f_mask[None, None, :],
+                    other=0.0).to(tl.float32)
     else:
-        mask = ht_mask[:, :, None] & d_mask3
-        dst, dst2 = _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF,
-                                   SECOND_OFFSETS)
-        tl.store(dst, out1, mask=mask)
-        tl.store(dst2, out2, mask=mask)
+        w = 1.0  # unused by the weight-free form
+    if ROPE_FIRST:
+        y = x
+    else:
+        y = _weighted(x * _rstd(x, eps, HEAD_DIM, INTERPRETED)[:, :, None], w, in_dtype, dtype, NORM_STYLE,
+                      INTERPRETED)
+    partner = _pair_swap(y, HEADS, TOKENS, HALF_BLOCK)
+    r = round_sum(round_to(y * cos, dtype, INTERPRETED), round_to(partner * sin_signed, dtype, INTERPRETED), dtype,
+                  INTERPRETED)
+    if ROPE_FIRST:
+        r = _weighted(r * _rstd(r, eps, HEAD_DIM, INTERPRETED)[:, :, None], w, dtype, dtype, NORM_STYLE, INTERPRETED)
+    return r
 
 
 @triton.jit
@@ -284,6 +306,20 @@ def _weighted(normed, w, in_dtype: tl.constexpr, dtype: tl.constexpr, NORM_STYLE
 
 
 @triton.jit
+def _rsqrt(x, INTERPRETED: tl.constexpr):
+    if INTERPRETED:
+        return tl.rsqrt(x)
+    else:
+        return libdevice.rsqrt(x)
+
+
+@triton.jit
+def _rstd(x, eps, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` over the rows of a ``[heads, tokens, D]`` fp32 tile."""
+    return _rsqrt(tl.sum(x * x, axis=2) * (1.0 / HEAD_DIM) + eps, INTERPRETED)
+
+
+@triton.jit
 def _rms_norm(
     x1, x2, weight_ptr, offs_d, offs_2, d_mask, eps,
     in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -309,10 +345,7 @@ def _rms_norm(
         w2 = 1.0
     # Every style: fp32 statistics, ``n = x * rsqrt(mean(x^2) + eps)`` in fp32.
     mean_square = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) * (1.0 / HEAD_DIM)
-    if INTERPRETED:
-        rstd = tl.rsqrt(mean_square + eps)
-    else:
-        rstd = libdevice.rsqrt(mean_square + eps)
+    rstd = _rsqrt(mean_square + eps, INTERPRETED)
     y1 = _weighted(x1 * rstd[:, :, None], w1, in_dtype, dtype, NORM_STYLE, INTERPRETED)
     y2 = _weighted(x2 * rstd[:, :, None], w2, in_dtype, dtype, NORM_STYLE, INTERPRETED)
     return y1, y2
@@ -429,37 +462,95 @@ def _norm_rope_blocks(
     program in flight. cos/sin are read or computed once, after those loads (their latency, or the
     angles' arithmetic, overlaps them), and serve every block (the same tokens)."""
     heads = tl.arange(0, HEADS_PER_PROGRAM)
-    tiles = ()
+    if INTERLEAVED:
+        _norm_rope_interleaved_blocks(
+            first_block, x_ptr, weight_ptr, out_ptr, cache_ptr, heads_total, batch, offs_s64, token_mask, positions,
+            position_ok, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_x_b, stride_x_h, stride_x_s,
+            stride_o_b, stride_o_h, stride_o_s, stride_c_b, stride_c_h, stride_c_l, stride_cos_b, stride_cos_s,
+            stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, eps, attention_scaling, dtype, HEAD_DIM, HALF,
+            HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM, ROPE_FROM_POSITIONS, INTERPRETED,
+            NORM_STYLE, ROPE_FIRST, WRITE_CACHE)
+    else:
+        tiles = ()
+        for i in tl.static_range(BLOCKS_PER_PROGRAM):
+            offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
+            ht_mask = (offs_h < heads_total)[:, None] & token_mask[None, :]
+            tiles = tiles + _load_pair_tiles(x_ptr, batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, offs_1,
+                                             offs_2, ht_mask, d_mask3, HALF, SECOND_OFFSETS)
+        cos1, cos2, sin1, sin2 = _load_cos_sin(
+            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, (first_block * HEADS_PER_PROGRAM + heads).to(tl.int64),
+            offs_s64, token_mask, offs_d,
+            rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
+            attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
+        )
+        for i in tl.static_range(BLOCKS_PER_PROGRAM):
+            offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
+            head_ok = offs_h < heads_total
+            ht_mask = head_ok[:, None] & token_mask[None, :]
+            out1, out2 = _norm_rope(
+                tiles[2 * i], tiles[2 * i + 1], weight_ptr, offs_1, offs_2, d_mask, rotated, eps, cos1, cos2, sin1,
+                sin2, x_ptr.dtype.element_ty, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL,
+                SECOND_OFFSETS,
+            )
+            out1 = out1.to(dtype)
+            out2 = out2.to(dtype)
+            _store_pair_tiles(out_ptr, batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, offs_1, offs_2,
+                              ht_mask, d_mask3, out1, out2, HALF, SECOND_OFFSETS)
+            if WRITE_CACHE:
+                _store_pair_tiles(cache_ptr, batch, offs_h, positions, stride_c_b, stride_c_h, stride_c_l, offs_1,
+                                  offs_2, head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF,
+                                  SECOND_OFFSETS)
+
+
+@triton.jit
+def _norm_rope_interleaved_blocks(
+    first_block, x_ptr, weight_ptr, out_ptr, cache_ptr, heads_total, batch, offs_s64, token_mask, positions,
+    position_ok, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_x_b, stride_x_h, stride_x_s,
+    stride_o_b, stride_o_h, stride_o_s, stride_c_b, stride_c_h, stride_c_l, stride_cos_b, stride_cos_s,
+    stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, eps, attention_scaling,
+    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
+    ROPE_FIRST: tl.constexpr, WRITE_CACHE: tl.constexpr,
+):
+    """``_norm_rope_blocks`` for interleaved (GPT-J) pairs ``(x[2i], x[2i+1])``: whole
+    ``[heads, tokens, D]`` rows, loaded and stored as contiguous 16-byte runs, each pair's partner
+    taken in registers (``_pair_swap``); cos/sin entry ``i`` serves features ``2i`` and ``2i+1``
+    (the half tables doubled once per program: ``tl.join`` of a tile with itself)."""
+    heads = tl.arange(0, HEADS_PER_PROGRAM)
+    feats = tl.arange(0, 2 * HALF_BLOCK)
+    f_mask = feats < HEAD_DIM
+    rows = ()
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         ht_mask = (offs_h < heads_total)[:, None] & token_mask[None, :]
-        tiles = tiles + _load_pair_tiles(x_ptr, batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, offs_1,
-                                         offs_2, ht_mask, d_mask3, HALF, HALF_BLOCK, HEADS_PER_PROGRAM,
-                                         TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
-    cos1, cos2, sin1, sin2 = _load_cos_sin(
+        offs = _tile_offsets(batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, feats)
+        rows = rows + (tl.load(x_ptr + offs, mask=ht_mask[:, :, None] & f_mask[None, None, :], other=0.0,
+                               eviction_policy="evict_first").to(tl.float32),)
+    # No launcher computes interleaved cos/sin from positions (the pass reads the model's tables).
+    tl.static_assert(not ROPE_FROM_POSITIONS)
+    offs_d = tl.arange(0, HALF_BLOCK)
+    cos, _, sin, _ = _load_cos_sin(
         cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, (first_block * HEADS_PER_PROGRAM + heads).to(tl.int64),
-        offs_s64, token_mask, offs_d,
-        rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-        attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
+        offs_s64, token_mask, offs_d, offs_d < HALF, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
+        stride_pos_b, stride_pos_s, attention_scaling, dtype, 0, False, INTERPRETED,
     )
+    cos = tl.reshape(tl.join(cos, cos), [HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, 2 * HALF_BLOCK])
+    sin = tl.reshape(tl.join(sin, sin), [HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, 2 * HALF_BLOCK])
+    sin_signed = tl.where((feats % 2 == 0)[None, None, :], -sin, sin)
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         head_ok = offs_h < heads_total
-        ht_mask = head_ok[:, None] & token_mask[None, :]
-        out1, out2 = _norm_rope(
-            tiles[2 * i], tiles[2 * i + 1], weight_ptr, offs_1, offs_2, d_mask, rotated, eps, cos1, cos2, sin1,
-            sin2, x_ptr.dtype.element_ty, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL,
-            SECOND_OFFSETS,
-        )
-        out1 = out1.to(dtype)
-        out2 = out2.to(dtype)
-        _store_pair_tiles(out_ptr, batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, offs_1, offs_2,
-                          ht_mask, d_mask3, out1, out2, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM,
-                          SECOND_OFFSETS, INTERLEAVED)
+        out = _norm_rope_interleaved(
+            rows[i], weight_ptr, feats, f_mask, eps, cos, sin_signed, x_ptr.dtype.element_ty, dtype, HEAD_DIM,
+            HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, HALF_BLOCK, INTERPRETED, NORM_STYLE, ROPE_FIRST,
+        ).to(dtype)
+        offs = _tile_offsets(batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, feats)
+        tl.store(out_ptr + offs, out, mask=(head_ok[:, None] & token_mask[None, :])[:, :, None] & f_mask[None, None, :])
         if WRITE_CACHE:
-            _store_pair_tiles(cache_ptr, batch, offs_h, positions, stride_c_b, stride_c_h, stride_c_l, offs_1,
-                              offs_2, head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF,
-                              HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, SECOND_OFFSETS, INTERLEAVED)
+            offs = _tile_offsets(batch, offs_h, positions, stride_c_b, stride_c_h, stride_c_l, feats)
+            tl.store(cache_ptr + offs, out,
+                     mask=(head_ok[:, None] & position_ok[None, :])[:, :, None] & f_mask[None, None, :])
 
 
 @triton.jit
@@ -525,10 +616,8 @@ def _qk_norm_rope_cache_kernel(
     # Partial rotary (``rotary_dim < head_dim``): cos/sin rows hold ROTARY_DIM values.
     PARTIAL: tl.constexpr = ROTARY_DIM != HEAD_DIM
     ROT_HALF: tl.constexpr = ROTARY_DIM // 2
-    # Interleaved (GPT-J) pairs (x[2i], x[2i+1]): the tiles hold the even and the odd features,
-    # and pair i's cos/sin are the table's entry i for both (``_load_cos_sin`` with no shift).
-    SECOND_OFFSETS: tl.constexpr = PARTIAL or INTERLEAVED
-    COS_SHIFT: tl.constexpr = 0 if INTERLEAVED else ROT_HALF
+    SECOND_OFFSETS: tl.constexpr = PARTIAL
+    COS_SHIFT: tl.constexpr = ROT_HALF
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
     if not INTERPRETED:
         # Inductor passes Python floats as fp64 scalars; eager adds eps to the fp32 statistic.
@@ -563,13 +652,6 @@ def _qk_norm_rope_cache_kernel(
     if PARTIAL:
         offs_1, offs_2, rotated = _feature_offsets(offs_d, HEAD_DIM, ROTARY_DIM)
         rot_mask = d_mask & rotated  # the lanes whose cos/sin exist
-    elif INTERLEAVED:
-        # The even and odd features of pair i. Only the weights are addressed this way; the rows
-        # are loaded whole and split (``_load_pair_tiles``).
-        offs_1 = offs_d * 2
-        offs_2 = offs_d * 2 + 1
-        rotated = d_mask  # unused
-        rot_mask = d_mask
     else:
         offs_1 = offs_d
         offs_2 = offs_d  # unused (the second half is offs_1 + HALF)

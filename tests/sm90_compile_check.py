@@ -139,8 +139,9 @@ def variants() -> dict:
     others["rope_first"] = dict(ROPE_FIRST=True)
     # Partial rotary (GLM-4.5 / Glm4Moe: the first 64 of 128 features rotated).
     others["partial_rotary_64"] = dict(ROTARY_DIM=64)
-    # Interleaved (GPT-J) pairs: stride-2 accesses, a first version.
+    # Interleaved (GPT-J) pairs, in both orders.
     others["interleaved"] = dict(INTERLEAVED=True)
+    others["interleaved_rope_first"] = dict(INTERLEAVED=True, ROPE_FIRST=True)
     for suffix, change in others.items():
         out[f"forward_bf16_d128_{suffix}"] = (
             forward._qk_norm_rope_cache_kernel, fwd_pointers, dict(out["forward_bf16_d128"][2], **change), fwd_floats,
@@ -183,6 +184,8 @@ def variants() -> dict:
                      STRIDE_Q_S=96 * 128, STRIDE_QO_S=96 * 128)
     out["forward_graph_bf16_d128_streaming"] = (out["forward_graph_bf16_d128"][0], pointers, streaming, set(),
                                                inductor_options)
+    out["forward_graph_bf16_d128_streaming_interleaved"] = (out["forward_graph_bf16_d128"][0], pointers,
+                                                           dict(streaming, INTERLEAVED=True), set(), inductor_options)
     # head_dim 512 (Gemma4's full-attention layers: 32 query / 4 kv heads in the 31B model): the small
     # tile (8 rows of one token) and the streaming one (one head x 4 tokens per block: the same
     # elements per lane as D = 128's 16 tokens).
