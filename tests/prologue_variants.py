@@ -297,15 +297,19 @@ class Glm4MoePrologue(nn.Module):
     [B, Hkv, L, D], cache_position [S]) returns (q_rotated [B, Hq, S, D], a sum that reads the
     updated caches, as attention would). ``rope``: transformers' ``apply_rotary_pos_emb`` of
     GLM-4.5 (partial rotary, the default), GLM's interleaved one, or a look-alike with the same
-    signature.
+    signature. ``norm``: a ``make_norm`` form instead of ``Glm4MoeRMSNorm`` (Qwen3's form).
     """
 
-    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=64, eps=1e-6, rope=glm4_moe_apply_rotary_pos_emb):
+    def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=64, eps=1e-6, rope=glm4_moe_apply_rotary_pos_emb,
+                 norm=None):
         super().__init__()
         self.head_dim, self.rope = head_dim, rope
         self.q_proj = nn.Linear(hidden, q_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        if norm is not None:  # another form of the per-head norm (``make_norm``) in GLM's place
+            self.q_norm, self.k_norm = make_norm(norm, q_heads, head_dim, eps), make_norm(norm, kv_heads, head_dim, eps)
+            return
         self.q_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
         self.k_norm = Glm4MoeRMSNorm(head_dim, eps=eps)
         with torch.no_grad():  # neutral weights would hide a weight applied twice or not at all

@@ -16,7 +16,9 @@ from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel
 from fusion_pass.kernels.qk_norm_rope_cache_reference import NORM_STYLES, norm_reference
 from compile_capture import assert_left_unfused, eager, fused_count, run_fused
 from fused_op_calls import assert_op_call_matches_reference, random_op_args
-from prologue_variants import NORM_LOOK_ALIKES, NORMS, DensePrologue, PagedPrologue, make_norm, make_paged_inputs
+from prologue_variants import (NORM_LOOK_ALIKES, NORMS, DensePrologue, Glm4MoePrologue, PagedPrologue, make_glm_inputs,
+                               make_norm, make_paged_inputs)
+from transformers.models.glm.modeling_glm import apply_rotary_pos_emb as glm_apply_rotary_pos_emb
 from qwen3_style import make_inputs
 
 DENSE_OP = "fusion_pass.qk_norm_rope_cache"
@@ -65,6 +67,22 @@ def test_dense_cache_norm_forms_fuse_once_and_are_bit_exact(norm, norm_after_tra
     """Before the transpose (Qwen3's place) and after it (Gemma3's and NeoMME's place)."""
     model = DensePrologue(norm=norm, norm_after_transpose=norm_after_transpose).to(torch.bfloat16)
     assert_fused_once_and_bit_exact(model, list(make_inputs()), norm)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_rope_first_norm_forms_fuse_once_and_are_bit_exact(norm):
+    """HunYuan's order (RoPE on the ``[B, H, S, D]`` views, then the norm) with every form."""
+    model = DensePrologue(norm=norm, rope_first=True).to(torch.bfloat16)
+    capture = assert_fused_once_and_bit_exact(model, list(make_inputs()), norm)
+    assert "rope_first=True" in capture.after[0]
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_interleaved_rope_norm_forms_fuse_once_and_are_bit_exact(norm):
+    """GLM's interleaved ``apply_rotary_pos_emb`` after every form, in GLM-4.5's place."""
+    model = Glm4MoePrologue(rope=glm_apply_rotary_pos_emb, head_dim=32, norm=norm).to(torch.bfloat16)
+    capture = assert_fused_once_and_bit_exact(model, make_glm_inputs(head_dim=32), norm)
+    assert "interleaved=True" in capture.after[0]
 
 
 @pytest.mark.parametrize("norm", [n for n in NORMS if n != "qwen3"])
