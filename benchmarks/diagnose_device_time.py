@@ -168,6 +168,9 @@ FORWARD_VARIANTS = {
     "rotary_dim 32": dict(rotary_dim=32), "rotary_dim 64 fp32_one_plus_weight": dict(
         rotary_dim=64, norm="fp32_one_plus_weight"),
     "interleaved": dict(interleaved=True), "interleaved rope_first": dict(interleaved=True, rope_first=True),
+    "interleaved fp32_one_plus_weight": dict(interleaved=True, norm="fp32_one_plus_weight"),
+    "interleaved no_weight": dict(interleaved=True, norm="no_weight"),
+    "rope_first fp32_weight": dict(rope_first=True, norm="fp32_weight"),
 }
 
 

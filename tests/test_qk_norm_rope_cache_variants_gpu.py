@@ -37,6 +37,11 @@ VARIANTS = {
     "partial_rotary_quarter": dict(rotary_dim=32),
     "interleaved_gptj": dict(interleaved=True),
     "interleaved_rope_first": dict(interleaved=True, rope_first=True),
+    # the other norm forms with interleaved pairs and with RoPE first (the whole-row path's weights)
+    "interleaved_one_plus_weight": dict(interleaved=True, norm="fp32_one_plus_weight"),
+    "interleaved_no_weight": dict(interleaved=True, norm="no_weight"),
+    "rope_first_fp32_weight": dict(rope_first=True, norm="fp32_weight"),
+    "interleaved_rope_first_fp32_weight": dict(interleaved=True, rope_first=True, norm="fp32_weight"),
 }
 
 
