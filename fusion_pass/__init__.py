@@ -12,13 +12,15 @@ Importing this package registers the ``torch.ops.fusion_pass.*`` custom ops, whi
 graphs (also those loaded from Inductor's cache) call.
 """
 
-from . import kernels as _kernels  # noqa: F401  (registers torch.ops.fusion_pass.*)
+from . import families as _families
 from .config import ALL_FAMILIES as FAMILIES
 from .install import install, installed, options, uninstall
 from .match_report import match_counts, near_misses, report
 from .match_report import reset as reset_report
 from .versions import SUPPORTED_RANGE as SUPPORTED_TORCH
 from .versions import UnsupportedTorchVersion
+
+_families.load_all()  # registers torch.ops.fusion_pass.*: the ops each family's replacements call
 
 __all__ = [
     "FAMILIES",

@@ -12,10 +12,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-#: Every fusion family this package knows, in the order their passes run.
-FORWARD_FAMILIES = ("qk_norm_rope_cache",)
-TRAINING_FAMILIES = ("qkv_rope_qk_norm", "qk_norm_rope_backward")
-ALL_FAMILIES = FORWARD_FAMILIES + TRAINING_FAMILIES
+from .families import NAMES as ALL_FAMILIES
 
 
 @dataclasses.dataclass(frozen=True)

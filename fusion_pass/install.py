@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import torch._inductor.config as inductor_config
 
 from . import config as fusion_config
+from . import families as fusion_families
 from .versions import check_torch_version
 from .passes import FusionGraphPass, graph_passes, is_ours
 
@@ -22,10 +23,8 @@ from .passes import FusionGraphPass, graph_passes, is_ours
 #: 8, whenever its benchmark says so) would otherwise hide the region from the patterns.
 FORWARD_HOOK = "post_grad_custom_pre_pass"
 TRAINING_HOOK = "joint_custom_pre_pass"
-_HOOKS = {
-    FORWARD_HOOK: ("post_grad", fusion_config.FORWARD_FAMILIES),
-    TRAINING_HOOK: ("joint", fusion_config.TRAINING_FAMILIES),
-}
+_HOOKS = {FORWARD_HOOK: "post_grad", TRAINING_HOOK: "joint"}
+
 
 def _without_ours(hook_value: Any) -> Any:
     """The hook value with our passes replaced by what they wrap (a list stays a list)."""
@@ -38,9 +37,9 @@ def _without_ours(hook_value: Any) -> Any:
 
 
 def _compose(hook: str, current: Any, config: fusion_config.FusionConfig) -> FusionGraphPass:
-    stage, families = _HOOKS[hook]
+    stage = _HOOKS[hook]
     # Re-installing: never stack our pass on itself. The user's passes (one, or a list) run after ours.
-    return FusionGraphPass(stage, families, config, previous=_without_ours(current))
+    return FusionGraphPass(stage, fusion_families.names_in_stage(stage), config, previous=_without_ours(current))
 
 
 def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None) -> None:

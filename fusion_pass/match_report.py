@@ -60,15 +60,14 @@ def report() -> str:
         near-misses (structure found, not fused):
           qk_norm_rope_cache: head_dim 96 is not a power of two (the kernel serves powers of two in [16, 512]) (x2)
     """
-    from .config import ALL_FAMILIES
-    from .families import DESCRIPTIONS
+    from . import families
 
     counts = match_counts()
     total = sum(counts.values())
     lines = [f"fusion_pass: {total} fusion{'s' if total != 1 else ''} applied"]
-    for family in ALL_FAMILIES:
-        if counts.get(family):
-            lines.append(f"  {family}: {counts[family]} ({DESCRIPTIONS[family]})")
+    for name in families.NAMES:
+        if counts.get(name):
+            lines.append(f"  {name}: {counts[name]} ({families.family(name).description})")
     if not total and not _near_misses:
         lines.append("  (nothing matched: is fusion_pass installed, the device type enabled, "
                      "and the FX graph cache cold? see README 'Troubleshooting')")

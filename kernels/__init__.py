@@ -1,8 +1,5 @@
-"""Custom ops in the ``fusion_pass`` namespace, their Triton kernels and PyTorch references.
+"""Triton kernels, their launchers, the custom ops that call them and their PyTorch references.
 
-Importing this package registers every op, so compiled graphs can call them.
+Each ``*_op`` module registers its ``torch.ops.fusion_pass.*`` ops when imported; the pattern
+module of the family that replaces with them imports it (``fusion_pass.families.load_all``).
 """
-
-from . import qk_norm_rope_cache_op  # noqa: F401
-from . import qkv_rope_qk_norm_op  # noqa: F401
-from . import qk_norm_rope_backward_op  # noqa: F401

@@ -53,6 +53,7 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only,
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
+from fusion_pass.families import Family
 from fusion_pass.kernels.qk_norm_rope_backward_op import backward_in_graph
 from fusion_pass.kernels.qkv_rope_qk_norm_backward_triton import NORM_STYLES
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rope_reference
@@ -61,7 +62,8 @@ from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_p
 from fusion_pass.patterns.canonical_forms import ORIGIN, canonicalize
 from fusion_pass.patterns.qk_norm_rope_cache import NORM_FORMS, NormForm
 
-FAMILY = "qk_norm_rope_backward"
+FAMILY = Family("qk_norm_rope_backward", "per-head RMSNorm <-> RoPE of q or k in training, its backward one "
+                "Triton pass (one count per tensor)", stage="joint")
 
 aten = torch.ops.aten
 
@@ -572,7 +574,7 @@ def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:
                 raise _Refused(reason)
         except _Refused as refused:
             if refused.args[0]:
-                match_report.record_near_miss(FAMILY, refused.args[0])
+                match_report.record_near_miss(FAMILY.name, refused.args[0])
             continue
         backward_nodes -= region.backward
         index.forget(region.backward)

@@ -224,6 +224,7 @@ from torch._inductor.pattern_matcher import (
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
+from fusion_pass.families import Family
 from fusion_pass.kernels.qk_norm_rope_cache_op import (
     check_qk_norm_rope_cache_args,
     check_qk_norm_rope_paged_cache_args,
@@ -251,7 +252,8 @@ from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_p
 from fusion_pass.patterns.canonical_forms import canonicalize
 from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
 
-FAMILY = "qk_norm_rope_cache"
+FAMILY = Family("qk_norm_rope_cache", "per-head RMSNorm(q, k) -> RoPE -> K/V cache write, one Triton kernel",
+                stage="post_grad")
 
 aten = torch.ops.aten
 
@@ -634,7 +636,7 @@ def _check(match: Match, variant: Variant) -> bool:
     except ValueError as error:
         reason = re.sub(r"^fusion_pass\.qk_norm_rope_(paged_)?cache: ", "", str(error))
     if reason is not None:
-        match_report.record_near_miss(FAMILY, reason)
+        match_report.record_near_miss(FAMILY.name, reason)
         for node in match.nodes:  # reported once, with its reason: not again as a bare norm -> RoPE
             node.meta[_REJECTED] = True
         return False
@@ -764,7 +766,7 @@ def _near_miss_pass():
     def report(reason):
         def report_only(match: Match, *args, **kwargs) -> None:
             if not any(node.meta.get(_REJECTED) for node in match.nodes):
-                match_report.record_near_miss(FAMILY, reason)
+                match_report.record_near_miss(FAMILY.name, reason)
                 for node in match.nodes:  # once: two forms can trace to one graph (fp32: Qwen3's, AFMoE's)
                     node.meta[_REJECTED] = True
 

@@ -89,13 +89,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
+from fusion_pass.families import Family
 from fusion_pass.pattern_cache import inputs_signature, traced_pattern
 from fusion_pass.patterns.canonical_forms import scatter_sums_second_half_first
 # The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
 from fusion_pass.kernels.qkv_rope_qk_norm_op import QKVRopeQKNormFunction
 
-FAMILY = "qkv_rope_qk_norm"
+FAMILY = Family("qkv_rope_qk_norm", "QKV projection -> RoPE -> per-head RMSNorm, fused forward and backward",
+                stage="joint")
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -239,7 +241,7 @@ def _value(match: Match, name: str) -> Any:
 
 
 def _near_miss(reason: str) -> bool:
-    match_report.record_near_miss(FAMILY, reason)
+    match_report.record_near_miss(FAMILY.name, reason)
     return False
 
 
