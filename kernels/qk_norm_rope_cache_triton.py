@@ -732,7 +732,7 @@ def _qk_norm_rope_cache_graph_kernel(
     """``_qk_norm_rope_cache_kernel`` as a node of a compiled graph: the same program, with only
     the values that scale with B or S passed at launch (9 ints, unused pointers None), because
     the host time of a launch grows with its arguments (~0.5 us per tensor, ~0.12 us per int on
-    the H200's host: ``benchmarks/bench_launch_host.py``)."""
+    the H200's host: ``benchmarks/diagnostics/bench_launch_host.py``)."""
     _qk_norm_rope_cache_kernel(
         q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr,
         k_cache_ptr, v_cache_ptr, cache_position_ptr, q_out_ptr, k_out_ptr,

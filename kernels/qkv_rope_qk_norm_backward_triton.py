@@ -872,7 +872,7 @@ def _qk_norm_rope_bwd_graph_kernel(
     """``_qk_norm_rope_bwd_kernel`` (the head-tile elementwise kernel) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
     tensors are passed at launch (a launch costs the host ~0.12 us per int argument,
-    ``benchmarks/bench_launch_host.py``)."""
+    ``benchmarks/diagnostics/bench_launch_host.py``)."""
     _qk_norm_rope_bwd_kernel(
         gq_ptr, gq_sb, gq_sh, gq_ss, gk_ptr, gk_sb, gk_sh, gk_ss, gv_ptr, gv_sb, gv_sh, gv_ss, q_ptr, q_sb,
         q_ss, q_sh, k_ptr, k_sb, k_ss, k_sh, rq_ptr, rq_sb, rq_sh, rq_ss, rk_ptr, rk_sb, rk_sh, rk_ss, cos_ptr,
@@ -903,7 +903,7 @@ def _qk_norm_rope_bwd_rows_graph_kernel(
     """``_qk_norm_rope_bwd_rows_kernel`` (the token-row elementwise kernel) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
     tensors are passed at launch (a launch costs the host ~0.12 us per int argument,
-    ``benchmarks/bench_launch_host.py``)."""
+    ``benchmarks/diagnostics/bench_launch_host.py``)."""
     _qk_norm_rope_bwd_rows_kernel(
         gq_ptr, gq_sb, gq_sh, gq_ss, gk_ptr, gk_sb, gk_sh, gk_ss, gv_ptr, gv_sb, gv_sh, gv_ss, q_ptr, q_sb,
         q_ss, q_sh, k_ptr, k_sb, k_ss, k_sh, rq_ptr, rq_sb, rq_sh, rq_ss, rk_ptr, rk_sb, rk_sh, rk_ss, cos_ptr,
@@ -925,7 +925,7 @@ def _finish_partials_graph_kernel(
     """``_finish_partials_kernel`` (the finishing sums) in a
     compiled graph, whose shapes are static: every size and stride a constexpr, so that only the
     tensors are passed at launch (a launch costs the host ~0.12 us per int argument,
-    ``benchmarks/bench_launch_host.py``)."""
+    ``benchmarks/diagnostics/bench_launch_host.py``)."""
     _finish_partials_kernel(
         gw_ws_ptr, gqw_ptr, gkw_ptr, cs_ws_ptr, gc_ptr, gs_ptr, PA, PB, R, M, S, NHB, NB, CS_PROGRAMS, D,
         BLOCK_P, BLOCK_L, BLOCK_T, BLOCK_2D, W_ROUND, CS_ROUND, NEED_W, NEED_CS, RW,
