@@ -1,4 +1,5 @@
-"""Applying multi-output patterns layer by layer, first layer first, without creating cycles.
+"""Matching helpers the pattern files share; first of all, applying multi-output patterns layer by
+layer, first layer first, without creating cycles.
 
 A fusion over a whole attention prologue is a multi-output pattern whose branches (q, k, the
 V write) meet only at nodes every layer shares: the cos/sin tables (Inductor CSEs each layer's
@@ -17,10 +18,12 @@ import os
 
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
     compute_mutation_region_ids,
+    fwd_only,
     get_mutation_region_id,
     is_match,
 )
@@ -80,3 +83,23 @@ def apply_first_to_last(pass_dict: PatternMatcherPass, graph: torch.fx.Graph) ->
                 compute_mutation_region_ids(graph)
                 count += 1
     return count
+
+
+#: The eps traced into patterns: an unusual value, so that a traced pattern can tell it apart
+#: (``register_replacement``'s ``scalar_workaround`` turns it into a keyword argument).
+EPS_EXAMPLE = 1.2345e-5
+
+
+def match_value(match: Match, name: str):
+    """The value bound to ``name`` in ``match`` (a fake tensor or a constant); None when the
+    pattern has no such argument (the weights of a weight-free norm)."""
+    node = match.kwargs.get(name)
+    return node.meta["val"] if isinstance(node, torch.fx.Node) else node
+
+
+def trace_as_post_grad(fn, args, **kwargs) -> torch.fx.GraphModule:
+    """``fwd_only``, then views spelled as the post-grad graph spells them (``aten.reshape``:
+    Inductor's ``view_to_reshape`` has run before the custom pre-passes)."""
+    gm = fwd_only(fn, args, **kwargs)
+    view_to_reshape(gm)
+    return gm

@@ -60,7 +60,7 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_refere
 from fusion_pass.kernels.triton_device import kernels_in_graph
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
 from fusion_pass.patterns.canonical_forms import ORIGIN, canonicalize
-from fusion_pass.patterns.qk_norm_rope_cache import NORM_FORMS, NormForm
+from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
 
 FAMILY = Family("qk_norm_rope_backward", "per-head RMSNorm <-> RoPE of q or k in training, its backward one "
                 "Triton pass (one count per tensor)", stage="joint")

@@ -1,0 +1,118 @@
+"""Near-misses of the forward family: a per-head norm -> RoPE (or RoPE -> norm) that no fusion
+consumed, reported with the reason it was left (no matching cache write, an fp32 model, a norm over
+the whole projection width). These patterns only report; the graph is not changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, gen_pattern, register_graph_pattern
+
+from fusion_pass import config as fusion_config
+from fusion_pass import match_report
+from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
+from fusion_pass.matching import EPS_EXAMPLE, match_value, trace_as_post_grad
+from fusion_pass.pattern_cache import inputs_signature, traced_pattern
+from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
+
+
+_NO_CACHE_WRITE = "per-head RMSNorm -> RoPE without a matching K/V cache write (left unfused)"
+_ROPE_FIRST_NO_CACHE_WRITE = "RoPE -> per-head RMSNorm without a matching K/V cache write (left unfused)"
+_FP32_MODEL = ("per-head RMSNorm -> RoPE in float32: the fused kernel takes bf16 or fp16 models (left to "
+               "Inductor)")
+_FULL_WIDTH_NORM = ("RMSNorm over the whole projection width, then heads -> RoPE (e.g. OLMo2): not a per-head norm, "
+                    "which the kernel computes (left unfused; under head-sharded tensor parallelism its variance "
+                    "would need an all-reduce)")
+#: Node meta key: the whole fusion matched here and was refused, with a reason already reported.
+REFUSED = "fusion_pass_qk_norm_rope_cache_refused"
+
+
+@functools.lru_cache(maxsize=None)
+def near_miss_pass(family: str) -> PatternMatcherPass:
+    """A pass whose patterns only report, under ``family``'s name: one hit per norm -> RoPE left
+    in the graph after the fusion ran."""
+    near_misses = PatternMatcherPass(pass_name="fusion_pass_qk_norm_rope_cache_near_misses")
+
+    def report(reason):
+        def report_only(match: Match, *args, **kwargs) -> None:
+            if not any(node.meta.get(REFUSED) for node in match.nodes):
+                match_report.record_near_miss(family, reason)
+                for node in match.nodes:  # once: two forms can trace to one graph (fp32: Qwen3's, AFMoE's)
+                    node.meta[REFUSED] = True
+
+        return report_only
+
+    def norm_rope(norm: NormForm, norm_before_transpose):
+        def search(x, weight, cos, sin, eps):
+            x = norm.fn(x, weight, eps)
+            return rope_reference(x.transpose(1, 2) if norm_before_transpose else x, cos, sin)
+
+        if norm.weighted:
+            return search
+        return lambda x, cos, sin, eps: search(x, None, cos, sin, eps)
+
+    # The norm on [B, S, H, D] before the transpose, on a contiguous [B, H, S, D], and (for the
+    # forms whose graph then has a copy) on the transposed view of [B, S, H, D].
+    # An fp32 model traces the same norm without its casts: matched apart, to say why it is left.
+    placements = ((True, False), (False, False), (False, True))
+    for (name, norm), (norm_before_transpose, strided), dtype in itertools.product(
+            NORM_FORMS.items(), placements, (torch.bfloat16, torch.float32)):
+        if strided and not norm.copies_strided_input:
+            continue
+        t = functools.partial(torch.empty, dtype=dtype)
+        example = [t(2, 8, 4, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)]
+        if not norm_before_transpose:
+            example[0] = t(2, 8, 4, 16).transpose(1, 2) if strided else t(2, 4, 8, 16)
+        if not norm.weighted:
+            del example[1]
+        pattern = traced_pattern(
+            f"qk_norm_rope_cache_near_miss_{name}_{int(norm_before_transpose)}_{int(strided)}_{str(dtype)[6:]}",
+            functools.partial(gen_pattern, norm_rope(norm, norm_before_transpose), example, fwd_only,
+                              {"eps": EPS_EXAMPLE}),
+            inputs_signature(example))
+
+        def allowed(match, fp32=dtype == torch.float32):
+            x = match_value(match, "x")
+            return fusion_config.device_allowed(x.device) and (x.dtype == torch.float32) == fp32
+
+        register_graph_pattern(pattern, pass_dict=near_misses, extra_check=allowed)(
+            report(_FP32_MODEL if dtype == torch.float32 else _NO_CACHE_WRITE))
+
+    # One norm over the projection's width, then the head view and RoPE (Olmo2Attention, whose norm is
+    # AFMoE's form; Qwen3's form too). The view's sizes are the example's: ints are wildcards in patterns.
+    def full_width_norm_rope(norm: NormForm):
+        def search(x, weight, cos, sin, eps):
+            return rope_reference(norm.fn(x, weight, eps).view(2, 8, 4, 16).transpose(1, 2), cos, sin)
+
+        return search
+
+    t = functools.partial(torch.empty, dtype=torch.bfloat16)
+    example = [t(2, 8, 64), t(64), t(2, 1, 8, 16), t(2, 1, 8, 16)]
+    for name in ("qwen3", "afmoe"):
+        pattern = traced_pattern(f"qk_norm_rope_cache_near_miss_full_width_{name}",
+                                 functools.partial(gen_pattern, full_width_norm_rope(NORM_FORMS[name]), example, trace_as_post_grad,
+                                                   {"eps": EPS_EXAMPLE}),
+                                 inputs_signature(example))
+        register_graph_pattern(
+            pattern, pass_dict=near_misses,
+            extra_check=lambda match: fusion_config.device_allowed(match_value(match, "x").device),
+        )(report(_FULL_WIDTH_NORM))
+
+    # HunYuan's order: RoPE on [B, H, S, D], then the (Qwen3-form) norm.
+    def rope_norm(x, weight, cos, sin, eps):
+        return rms_norm_reference(rope_reference(x, cos, sin), weight, eps)
+
+    t = functools.partial(torch.empty, dtype=torch.bfloat16)
+    example = [t(2, 4, 8, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)]
+    pattern = traced_pattern("qk_norm_rope_cache_near_miss_rope_first",
+                             functools.partial(gen_pattern, rope_norm, example, fwd_only, {"eps": EPS_EXAMPLE}),
+                             inputs_signature(example))
+    register_graph_pattern(
+        pattern, pass_dict=near_misses,
+        extra_check=lambda match: fusion_config.device_allowed(match_value(match, "x").device),
+    )(report(_ROPE_FIRST_NO_CACHE_WRITE))
+    return near_misses
+
