@@ -260,7 +260,7 @@ def _load_cos_sin(
     Tensor cos/sin are loaded straight into the ``[heads, tokens, D/2]`` layout of the head tiles,
     each head re-reading its token's row (L1 hits): a ``[tokens, D/2]`` load would need one
     shared-memory layout conversion per table, and the compiler serialized those (load, barrier,
-    convert, next load: four L2 round trips per program before any math; v1-v4). Computed cos/sin
+    convert, next load: four L2 round trips per program before any math). Computed cos/sin
     stay ``[tokens, D/2]`` (computing them per head would repeat the transcendentals).
     """
     if ROPE_FROM_POSITIONS:

@@ -10,7 +10,7 @@ The forward being differentiated (eager bf16, RoPE *before* the norm)::
 
 Two pieces, launched one after the other by the training-side op (kernels/qkv_rope_qk_norm_op.py):
 
-1. ``qk_norm_rope_backward_triton`` -- ONE memory pass (v5 tiling by default, see below). It reads the grad
+1. ``qk_norm_rope_backward_triton`` -- ONE memory pass (tiled by token rows or head tiles, see below). It reads the grad
    rows of all q/k/v heads, the pre-RoPE q/k rows (strided views of the forward's qkv), rstd and
    cos/sin, does all math in fp32 and writes d(qkv) once, directly into the caller's
    ``[M, qkv_size]`` GEMM layout (no transpose, no cat). Per head row (g = grad of y, R(.) = round
@@ -45,20 +45,14 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    rounding fewer than autograd's fp32 ops, far below the bf16 rounding that follows. Only
    the final rounding of fp32 accumulators (``_round``: the partial-sum kernels, once per output
    element) uses the integer RNE on the GPU as well.
-   (v1 used the integer RNE for every rounding on the GPU: ~8 integer ops x ~14 roundings per
-   element made the pass compute-bound; v2 an opaque inline-PTX ``cvt.rn`` for each: still
-   ~3 instructions per rounding.)
 
-   Tiling (v5, ``ELEMENTWISE_TILING = "token_rows"``, the default). Program (token tile, head
+   Tiling ``"token_rows"`` (``ELEMENTWISE_TILING = "auto"``, the default, from ``ROWS_MIN_M`` tokens on). Program (token tile, head
    slice) owns ``ROWS_TOKENS`` (BT = 16) consecutive tokens (flattened t = b*S + s) and one of NS
    slices of the q, k and v heads. It loads the tokens' cos/sin rows once, as four [BT, D/2]
    fp32 tiles, then walks its heads one at a time (``_qk_head_rows``: [BT, D/2] halves, the loop
    software-pipelined ``ROWS_STAGES`` deep by async copies) and adds each head's norm-weight and
    cos/sin terms to per-thread [BT, D/2] accumulators. Nothing crosses threads inside the loop
-   but the per-row dot product (lanes of one warp); v3 reduced over the heads of every tile
-   across warps (38 barriers in the sm_90 build, 201-254 registers with both optional grads, 2
-   resident programs per SM: ncu on the H200 measured 224 us at M = 8192 vs 87 us without the
-   grads). At the end the weight accumulators are summed over tokens once per program (one
+   but the per-row dot product (lanes of one warp). At the end the weight accumulators are summed over tokens once per program (one
    partial row per program and q/k, finished as below), and the cos/sin sums are complete when
    NS = 1 and Bc = B: the kernel rounds and writes grad_cos / grad_sin itself (no workspace, no
    finishing pass for them); otherwise fp32 rows go to an [NS, M, 2*RW] workspace (RW: the tables' width) that the
@@ -66,7 +60,7 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    ``ROWS_PROGRAMS_PER_SM * SMs`` programs, so large M keeps all 48 heads of a token in one
    program and small M splits them to fill the GPU (M = 128: 8 token tiles x 32 slices).
 
-   Tiling (v2/v3, ``ELEMENTWISE_TILING = "head_tiles"``, kept for comparison). 1-D grid
+   Tiling ``"head_tiles"`` (below ``ROWS_MIN_M`` tokens, where it is faster). 1-D grid
    ``[q programs | k programs | v programs]``. A tile is ``BH heads x BT
    tokens`` of one tensor, ~``ELEMENTWISE_TILE_ELEMENTS`` (4096) elements, held as two
    ``[BH, BT, D/2]`` fp32 half tiles (rotate_half is free; each half row is 128 B = 8 x 16-byte
@@ -145,18 +139,18 @@ from .triton_call import TritonCall, named_args
 # ----------------------------------------------------------------------------------------------
 # Tunables (explicit, documented above; the lead sets them from benchmarks/bench_backward.py).
 # ----------------------------------------------------------------------------------------------
-# Which elementwise kernel: "token_rows" (v5: a program owns the heads of its tokens),
-# "head_tiles" (v3: tiles of heads x tokens, one reduction over heads per tile), or "auto":
-# v3 below ROWS_MIN_M tokens, v5 from there (H200, 2026-11-29, graph replay, both optional
-# grads: M = 128 v3 11.2 vs v5 31.0 us; M = 512 21.2 vs 17.1; M = 8192 234.1 vs 99.0).
+# Which elementwise kernel: "token_rows" (a program owns the heads of its tokens),
+# "head_tiles" (tiles of heads x tokens, one reduction over heads per tile), or "auto":
+# head tiles below ROWS_MIN_M tokens, token rows from there (H200, 2026-11-29, graph replay, both optional
+# grads: M = 128 head tiles 11.2 vs token rows 31.0 us; M = 512 21.2 vs 17.1; M = 8192 234.1 vs 99.0).
 ELEMENTWISE_TILING = "auto"
 ROWS_MIN_M = 512
-ROWS_TOKENS = 16  # v5: tokens per program (BT)
+ROWS_TOKENS = 16  # token rows: tokens per program (BT)
 ROWS_NUM_WARPS = 4
-# v5: software-pipelining depth of the loop over heads (async copies). Measured at M = 8192:
+# token rows: software-pipelining depth of the loop over heads (async copies). Measured at M = 8192:
 # 1 stage 128.9 us, 2: 138.3, 3: 102.0, 4: 99.0 (4 also best at M = 512, 2048, 4096).
 ROWS_STAGES = 4
-ROWS_PROGRAMS_PER_SM = 1  # v5: head slices are added until the grid has round(this * SMs) programs
+ROWS_PROGRAMS_PER_SM = 1  # token rows: head slices are added until the grid has round(this * SMs) programs
 ELEMENTWISE_PROGRAMS_PER_SM = 12  # program-count target of the elementwise pass, per SM (~4 waves)
 ELEMENTWISE_MAX_TILES_PER_PROGRAM = 4  # cap on the token tiles one elementwise program walks
 ELEMENTWISE_TILE_ELEMENTS = 4096  # elements (heads x tokens x D) per elementwise tile
@@ -462,7 +456,7 @@ def _qk_tile(
     u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, None, :],
                                       w2[None, None, :], ROUND, ROUND_Y, INTERP, NORM_FIRST, NORM_STYLE)
 
-    # Sums over this tile's heads, all in ONE multi-operand reduction (v2's six separate
+    # Sums over this tile's heads, all in ONE multi-operand reduction (six separate
     # reductions over heads, which cross warps, cost ~5 % more).
     # Weight grad of y = w * R(x*r), each term rounded like autograd's mul backward; cos/sin grads:
     # t1 = q*cos -> dcos += R(dx*q); t2 = rotate_half(q)*sin -> dsin += R(dx*cat(-q2, q1)).
@@ -721,7 +715,7 @@ def _qk_norm_rope_bwd_rows_kernel(
     NEED_W: tl.constexpr, NEED_CS: tl.constexpr, CS_DIRECT: tl.constexpr, STAGES: tl.constexpr,
     NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
 ):
-    """Token-rows tiling (v5). Program (token tile, head slice) owns BT tokens and slice ``NS``-th
+    """Token-rows tiling. Program (token tile, head slice) owns BT tokens and slice ``NS``-th
     of the q, k and v heads; it loads the tokens' cos/sin rows once, walks its heads one by one
     and keeps the norm-weight and cos/sin grads as per-thread sums over heads, so nothing crosses
     threads but the per-row dot product (within a warp) and one final reduction over tokens."""
@@ -1057,7 +1051,7 @@ def _elementwise_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w
 
 @dataclasses.dataclass(frozen=True)
 class _RowsPlan:
-    """Grid of one token-rows elementwise launch (v5) and its finishing launch."""
+    """Grid of one token-rows elementwise launch and its finishing launch."""
 
     BLOCK_HALF: int
     BLOCK_D: int
@@ -1094,7 +1088,7 @@ def _rows_plan(B: int, S: int, HQ: int, HKV: int, D: int, Bc: int, need_w: bool,
     block_p = min(1024, _next_pow2(programs))
     block_2d = _next_pow2(2 * D)
     # Finishing cos/sin sums: NS * NB partial rows per output row; tokens per program chosen for
-    # about 2 programs per target slot (v3's fixed 16 left M = 512 with 32 programs of 128 KB).
+    # about 2 programs per target slot (a fixed 16 left M = 512 with 32 programs of 128 KB).
     block_t = max(1, min(_next_pow2(_cdiv(Bc * S, 2 * target_programs)), 4096 // block_2d))
     block_l = max(8, min(block_d, 8192 // block_p))
     return _RowsPlan(
@@ -1139,10 +1133,10 @@ def qk_norm_rope_backward_triton(
         grad_q_proj: [B, S, Hq*D] (or [B*S, Hq*D]); grad_k_proj, grad_v_proj: [B, S, Hkv*D]:
             preallocated outputs, written in full (typically views of one [M, qkv_size] buffer).
         need_weight_grad, need_cos_sin_grad: compute (and return) those grads.
-        num_programs: tests: the program-count target. Head tiles (v3): about that many
+        num_programs: tests: the program-count target. Head tiles: about that many
             programs, however many tiles each (default ``ELEMENTWISE_PROGRAMS_PER_SM * SMs``
             with at most ``ELEMENTWISE_MAX_TILES_PER_PROGRAM`` tiles per program). Token rows
-            (v5): head slices are added until the grid reaches it (default
+            head slices are added until the grid reaches it (default
             ``ROWS_PROGRAMS_PER_SM * SMs``); the grid can be larger.
         rope_first: the forward's order (False: the norm, then RoPE).
         norm_style: the norm form differentiated, a ``NORM_STYLES`` value.
@@ -1271,7 +1265,7 @@ def _run(call: TritonCall, written: tuple[str, ...], in_graph: bool) -> dict[str
 def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight, grad_proj,
                  dq_strides, dk_layout, dv_layout, rq_s, rk_s, need_w, need_cs, num_programs, in_graph,
                  rope_first, norm_style=0):
-    """The elementwise kernel (v3 or v5 by M), then the finishing sums; returns (grad_proj, gqw,
+    """The elementwise kernel (head tiles or token rows, by M), then the finishing sums; returns (grad_proj, gqw,
     gkw, gcos, gsin). ``grad_proj`` is the q part's view; the k and v parts lie at element offsets
     ``dk_layout[0]``/``dv_layout[0]`` from it (one buffer: a graph node writes whole tensors)."""
     B, HQ, S, D = grad_q.shape
