@@ -1,127 +1,45 @@
-"""Triton kernel behind ``torch.ops.fusion_pass.qk_norm_rope_cache``.
+"""Triton kernel behind ``torch.ops.fusion_pass.qk_norm_rope_cache``, and its launcher.
 
-One launch does, for every (batch b, head h, token s)::
+One launch does, for every (batch b, head h, token s), q/k/v ``[B, H, S, D]`` (any strides with
+a contiguous last dim), caches ``[B, Hkv, L, D]``, cos/sin ``[B or 1, S, R]``::
 
     q_out[b, h, s]  = rope(rms_norm(q[b, h, s], q_weight), cos[b, s], sin[b, s])
     k_out[b, h, s]  = rope(rms_norm(k[b, h, s], k_weight), cos[b, s], sin[b, s])
     k_cache[b, h, cache_position[s]] = k_out[b, h, s]      # negative positions count from the
     v_cache[b, h, cache_position[s]] = v[b, h, s]          # end; outside [-L, L): device assert
 
-with Hugging Face's rounding (see ``qk_norm_rope_cache_reference.py``): statistics in fp32,
-the normalized row rounded to the model dtype, the weight product rounded, each RoPE product
-rounded and their sum rounded. All math is fp32 (or exact native half-precision ops, see
-"Rounding and exactness"); every intermediate rounding is an explicit ``round to model dtype
-and back`` (``rounding.round_to``).
+with Hugging Face's rounding (``qk_norm_rope_cache_reference.py``): statistics in fp32, the
+normalized row rounded to the model dtype, the weight product rounded, each RoPE product rounded
+and their sum rounded. All math is fp32; every intermediate rounding is an explicit round to the
+model dtype and back (``rounding.round_to``), and the sum of two rounded products goes through
+``rounding.round_sum``, which FMA contraction (on, as Inductor compiles user kernels) cannot fuse.
+So the outputs equal eager's bit for bit but where the fp32 statistic, summed in another order
+than torch's ``mean``, flips a rounding near a tie (measured: 2.8e-6 of the normalized values).
 
-Work decomposition
-------------------
-The kernel is purely memory bound: per token it moves (Hq + Hkv + Hkv) rows in and
-(Hq + 3 Hkv) rows out (59 KB per token for Qwen3-Coder-480B: 96 q heads, 8 kv heads,
-D = 128, bf16); the FLOPs (about 10 per element) are free. So the design goal is to keep
-enough bytes in flight with fully used 16-byte accesses, and nothing else.
+Variants, each a constexpr (its own specialization, no runtime branch; the default build is
+unchanged by the others):
 
-* Grid ``(token_blocks, groups, B)``, or (streaming tile) ``(token_blocks x groups, 1, B)`` with
-  a token block's groups consecutive. ``groups`` lists the q groups, then the k groups, then
-  the v groups, so one launch covers all three tensors and every program does one kind of
-  work: q programs normalize + rotate + store q_out; k programs normalize + rotate + store
-  k_out and the k cache rows; v programs copy v into the v cache. A group is
-  ``BLOCKS_PER_PROGRAM`` head blocks of ``HEADS_PER_PROGRAM`` heads (tails masked) of the
-  program's ``TOKENS_PER_PROGRAM`` tokens, in unrolled loops: every block's loads, then each
-  block's math and stores.
-* A block is held as two ``[heads, tokens, D/2]`` fp32 tiles (the two RoPE halves: loading the
-  halves separately makes ``rotate_half`` free, and each half-row is a contiguous 128-byte
-  segment for D = 128 bf16, i.e. 8 lanes x 16 bytes); the RMS statistic is a reduction over
-  the last axis of the two halves. cos/sin are read or computed once per program, in its first
-  block after that block's loads, and reused by its other blocks (the same tokens). Read
-  tables are loaded in the ``[heads, tokens, D/2]`` layout with a zero head stride (each head
-  re-reads its token's row from L1), so no shared-memory layout conversion stands between
-  the loads and the math (see ``_load_cos_sin``).
-* Tile rule (``launch_config``; H200 sweeps in ``benchmarks/NOTES-forward.md``, sessions 12-13):
-  from ``STREAM_FROM_TOKENS`` = 256 tokens (B x S, static shapes, rows of at least the tile's
-  tokens) on, the streaming tile: one head per block and as many tokens as give each of 4
-  warps' lanes one 16-byte vector per half row (16 for D = 128 bf16), 4 blocks per program,
-  the groups of a token block on consecutive program ids: cos/sin (read or computed) serve 4
-  blocks and land in the blocks' own layout, and programs stay small enough to fill the
-  machine in many waves (S = 4096: 256 x 28 programs). Otherwise (decode, short rows, a
-  symbolic length) the small tile: about ``TILE_ELEMENTS = 4096`` elements,
-  ``min(next_pow2(Hkv), rows)`` heads (8 for Qwen3) x the rest in tokens, capped at
-  ``next_pow2(S)`` so decode (S = 1) does not mask away 3/4 of the tile, one block per
-  program; ``num_warps`` is 4, or fewer when the tile has fewer than one 16-byte vector per
-  lane and half row (decode: 8 x 1 x 64 bf16 -> 2 warps). Compiled offline for sm_90 (Triton
-  3.7 + ptxas) the bf16 D = 128 graph kernel takes 80 registers in the streaming tile (its 8
-  loads in flight; 6 programs per SM) and 64 in the small tile, no spills, and every
-  q/k/v/cos/sin access is a 16-byte ``ld/st.global.v4``.
-* Recompiles: ``seq_len`` is not specialized (``do_not_specialize``) and the only
-  shape-dependent constexprs are the tile sizes: at most ``log2(rows / heads) + 2`` tiles (1, 2
-  or 4 tokens for Qwen3 bf16 below 256 tokens, the streaming tile above): a new S compiles no
-  new kernel once S >= 4 on either side of the threshold.
-* Offsets: batch, head, token and cache-row indices are widened to int64 before they meet a
-  stride, so a cache of [B, 8, 262144, 128] (2^31 elements at B = 8) is addressed correctly.
-  A negative position is wrapped (``p + L``, Python indexing, as ``cache[:, :, pos] = k``
-  does); a position outside ``[0, L)`` after wrapping fails a device assert where the launch
-  compiles asserts in (the eager op; Inductor's ``assert_indirect_indexing``, as its own indirect
-  indexing does), and is skipped otherwise: a cache row is written only where the wrapped position
-  is in ``[0, L)`` (the row offset of a skipped position is clamped to 0 before it forms a
-  pointer); head, token and (for
-  non-power-of-two D) feature tails are masked on every load and store.
-* head_dim: any even D (tested 2 ... 512, including 48 and 96; the op serves powers of two in [16, 512]). Power-of-two D/2 gives
-  unmasked 16-byte accesses along D; other D pad the half to the next power of two and
-  mask it (correct, somewhat slower).
+* ``NORM_STYLE`` (``NORM_STYLES``): 0 Qwen3's ``weight * n.to(dtype)``; 1 ``torch.nn.RMSNorm``'s
+  ``(n * weight).to(dtype)``; 2 Gemma3's ``(n * (1 + weight)).to(dtype)``; 3 weight-free.
+* ``ROPE_FIRST``: RoPE, then the norm of the rotated rows (HunYuan's order).
+* ``ROTARY_DIM`` R < D: the first R features rotated in pairs ``(d, d + R/2)``, the rest passed
+  through (``_feature_offsets``, ``_partial_rope``); R and D multiples of 16.
+* ``INTERLEAVED``: GPT-J's pairs ``(x[2i], x[2i+1])``, both rotated by entry i of cos/sin; whole
+  rows, each pair's partner swapped in registers (``_norm_rope_interleaved_blocks``).
+* ``ROPE_FROM_POSITIONS``: cos/sin computed from ``position_ids`` [B, S] and ``inv_freq`` [D/2]
+  (Hugging Face's ``cos = (cat(freqs, freqs).cos() * scaling).to(dtype)``) by ``sin_cos``, within
+  2 fp32 ulps, instead of read from tables.
+* ``INTERPRETED``: under ``TRITON_INTERPRET=1`` (CPU tests), where an fp32 -> bf16 cast truncates,
+  ``round_to`` emulates round-to-nearest-even with integer bit arithmetic.
 
-The norm's form is the constexpr ``NORM_STYLE`` (an index into ``NORM_STYLES``, see
-``qk_norm_rope_cache_reference``): 0, Qwen3's ``weight * n.to(dtype)`` (two roundings); 1,
-``torch.nn.RMSNorm``'s ``(n * weight).to(dtype)``; 2, Gemma3's ``(n * (1 + weight)).to(dtype)``;
-3, weight-free ``n.to(dtype)``, which never loads a weight. Only ``_weighted`` depends on it.
-The constexpr ``ROPE_FIRST`` applies RoPE before the norm (HunYuan's order), the same two
-helpers (``_rope``, ``_rms_norm``) called the other way round. With style 0 and RoPE last the
-build is the same machine code as before these options existed (PTX compared for sm_90); each
-option value is its own specialization (no runtime branch).
-
-Partial rotary is the constexpr ``ROTARY_DIM`` (``R < D``; R = D is the default build): the
-two ``[heads, tokens, D/2]`` tiles then hold, in lanes ``d < R/2``, the rotated pairs
-``(x[d], x[d + R/2])`` and, in the other lanes, the pass-through features ``x[R:]`` in two runs
-(``_feature_offsets``), so the statistic, the weights and the stores see every feature once and
-the pass-through lanes keep the normed value (``_partial_rope``). With R and D multiples of 16
-every run is 16-byte aligned; compiled for sm_90 the bf16 D = 128, R = 64 build keeps all its
-q/k/cos/sin accesses ``v4`` (65 registers, no spills, no barriers). The constexpr
-``INTERLEAVED`` rotates GPT-J's pairs ``(x[2i], x[2i+1])``, both by entry i of cos/sin: the
-program then holds whole ``[heads, tokens, D]`` rows (16-byte runs per lane), and each feature's
-partner ``x[d ^ 1]`` is exchanged inside the lane's registers (``_pair_swap``). cos/sin are loaded
-as ``[heads, tokens, D/2]`` tiles and each entry doubled into the rows' layout: one shared-memory
-conversion per table per program (6 barriers in the small tile's sm_90 build, 7 in the streaming
-tile's), where splitting the rows into pair tiles converted every block of q and k. With ``ROTARY_DIM = D`` and ``INTERLEAVED`` off, the build has the
-same instructions as before these two options (sm_90 PTX compared: the same instruction counts
-by opcode; two address additions are scheduled earlier).
-
-The same ``@triton.jit`` kernel also computes cos/sin itself from ``position_ids`` [B, S]
-and ``inv_freq`` [D/2] (constexpr ``ROPE_FROM_POSITIONS``; Hugging Face's
-``freqs = pos.float() * inv_freq; cos = (cat(freqs, freqs).cos() * scaling).to(dtype)``),
-once per program for its tokens (``sin_cos.sin_cos``: exact argument reduction and fp32
-polynomials, within 2 fp32 ulps; libdevice's ``cosf``/``sinf``, which torch's CUDA kernels run, carry a
-Payne-Hanek path that costs registers at every call site, and ``cos.approx`` is wrong at the 262144
-radians positions reach).
-
-Rounding and exactness
-----------------------
-Every rounding is written as ``x.to(dtype).to(fp32)`` (``rounding.round_to``): the compiler
-turns each rounded product of two model-dtype values into a native ``mul.rn.bf16``, correctly
-rounded, so the same bits as eager's fp32 op + round (a bf16 or fp16 product is exact in fp32).
-The sum of two rounded products goes through ``rounding.round_sum`` (inline PTX on packed pairs): Inductor compiles user kernels with FMA contraction on, which would fuse a
-rounded product and the add into one FMA (one rounding where eager rounds twice; ~12 % of the
-outputs differed on the H200 when that happened: ``benchmarks/NOTES-forward.md``).
-The only remaining source of difference is the fp32 statistic: Triton's tree
-reduction sums the squares in another order than torch's ``mean``, which flips the rounding of
-a normalized value only near a tie (measured: 2.8e-6 of the normalized values). fp16 behaves
-the same; fp32 agrees to a few fp32 ulps.
-
-Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) bf16 values are raw uint16
-and the fp32 -> bf16 cast truncates. The kernel therefore takes a constexpr ``INTERPRETED``
-flag: when set, ``round_to`` emulates round-to-nearest-even for bf16 with integer bit
-arithmetic (the GPU build never contains that code) and the statistic's reciprocal square root
-is ``tl.rsqrt`` (numpy) because libdevice has no interpreter implementation (cos/sin run the same
-``sin_cos`` code in both). Measured on CPU against the reference (RoPE-term-scale ulps, 60 random cases
-plus the test suite): bf16 0, fp16 <= 1 (2 allowed), fp32 <= 5 fp32 ulps; the fp16/fp32
-differences come from numpy's summation order and 1/sqrt, the same cause as on GPU.
+Layout of the work (``launch_config``): one grid covers q, k and v programs (q: norm + RoPE;
+k: also the cache rows; v: the cache copy), each holding ``[heads, tokens, D/2]`` fp32 half tiles
+(``rotate_half`` is then free); from 256 tokens a streaming tile (one head x 16 tokens per block,
+4 blocks per program sharing cos/sin), below it a small tile (up to 8 heads x a few tokens).
+Indices are widened to int64 before they meet a stride; head, token and feature tails are
+masked; a position outside the cache is never written. head_dim: any even D (the op serves powers
+of two in [16, 512]). The design, the tile sweeps and every version's time:
+``benchmarks/NOTES-forward.md``.
 """
 
 from __future__ import annotations

@@ -34,17 +34,8 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    ulp). Sums over heads / tokens are done in fp32 and rounded once (autograd rounds the q and
    k parts separately: a sub-ulp difference).
 
-   Rounding of the per-element R(.) above (``_rnd``, via kernels/rounding.py ``round_to``): on the
-   GPU a plain ``.to(dtype).to(fp32)``, so the compiler emits native ``mul.rn.bf16`` (correctly
-   rounded: the same bits as eager's fp32 op + round) or one ``cvt.rn``; the RoPE sums of two
-   rounded products go through ``_rnd_sum`` (``rounding.round_sum``, inline PTX), which FMA
-   contraction (on, as Inductor compiles user kernels) cannot fuse with the products. Under the
-   interpreter, whose fp32 -> bf16 cast truncates, integer RNE on the fp32 bit pattern for bf16
-   (numpy's correctly rounding cast for fp16). Both are RNE: same bits. The fp32 parts (the norm
-   backward's ``rstd*gn - x*coef``, the sums over heads) may be contracted into fp32 FMAs: one
-   rounding fewer than autograd's fp32 ops, far below the bf16 rounding that follows. Only
-   the final rounding of fp32 accumulators (``_round``: the partial-sum kernels, once per output
-   element) uses the integer RNE on the GPU as well.
+   Each R(.) is ``rounding.round_to`` (native ``mul.rn.bf16`` / ``cvt.rn`` on the GPU, integer RNE under
+   the interpreter); the RoPE sums go through ``rounding.round_sum``, which FMA contraction cannot fuse.
 
    Tiling ``"token_rows"`` (``ELEMENTWISE_TILING = "auto"``, the default, from ``ROWS_MIN_M`` tokens on). Program (token tile, head
    slice) owns ``ROWS_TOKENS`` (BT = 16) consecutive tokens (flattened t = b*S + s) and one of NS
@@ -60,20 +51,9 @@ Two pieces, launched one after the other by the training-side op (kernels/qkv_ro
    ``ROWS_PROGRAMS_PER_SM * SMs`` programs, so large M keeps all 48 heads of a token in one
    program and small M splits them to fill the GPU (M = 128: 8 token tiles x 32 slices).
 
-   Tiling ``"head_tiles"`` (below ``ROWS_MIN_M`` tokens, where it is faster). 1-D grid
-   ``[q programs | k programs | v programs]``. A tile is ``BH heads x BT
-   tokens`` of one tensor, ~``ELEMENTWISE_TILE_ELEMENTS`` (4096) elements, held as two
-   ``[BH, BT, D/2]`` fp32 half tiles (rotate_half is free; each half row is 128 B = 8 x 16-byte
-   vectors for D = 128 bf16). Rule: ``BH = min(next_pow2(H), TILE / D_pad)`` (all heads of the
-   kind when they fit), ``BT = TILE / (BH * D_pad)`` capped at next_pow2(M). Workload B (Hq 32,
-   Hkv 8, D 128): q tiles 32 x 1, k and v tiles 8 x 4. Tokens are flattened (t = b*S + s) so a
-   tile may span a batch boundary. Program (kind, head block, group g) walks the token tiles
-   g, g + G, g + 2G, ... of its head block; ``tiles_per_program = min(4, cdiv(total tiles,
-   ELEMENTWISE_PROGRAMS_PER_SM * SMs))`` (12 per SM ~ 4 waves at 3 resident programs) and
-   ``G = cdiv(token tiles, tiles_per_program)``. So M = 128 gives 192 one-tile programs, M = 8192
-   3072 programs of 4 tiles. q/k programs do norm + RoPE backward; v programs copy grad_v.
-   4 warps. Offline sm_90 compile (Triton 3.7, ptxas -v): 168 registers with both optional grads
-   (127 with neither), no spills, 3 programs / SM, q/k/v traffic in 16-byte ld/st.global.v4.
+   Tiling ``"head_tiles"`` (below ``ROWS_MIN_M`` tokens): a 1-D grid of q, k and v programs, each a tile
+   of heads x tokens of one tensor (~4096 elements) held as two ``[BH, BT, D/2]`` half tiles, walking
+   the token tiles of its head block (``_elementwise_plan``).
 
    Deterministic reductions, no atomics. Norm-weight grads: each q / k program writes one [D]
    fp32 partial row (its tiles, summed over heads and tokens) to ``[PQ + PK, D]``;
@@ -93,12 +73,6 @@ Every launch is described once (``kernels/triton_call.py``): eager callers run i
 (``qk_norm_rope_backward_in_graph``): the k and v column blocks of grad_qkv are addressed as
 element offsets from the q block's pointer, so that one node writes the whole [M, qkv_size]
 buffer.
-
-Measured error (H200, torch 2.11, triton 3.6, 2026-11-29; all 16 cases of WORKLOADS.md B,
-relative error vs a float64 autograd reference, ``rel_err`` of ``benchmarks/bench_backward.py``):
-2.96e-3 to 6.49e-3 over all cases and gradients -- grad_hidden ~3.8-4.4e-3, grad_W ~3.9-4.5e-3,
-grad_cos / grad_sin ~3.6-5.7e-3, norm-weight grads ~3.0-6.5e-3: the same order as eager bf16
-autograd's own error against float64.
 
 Norm forms (constexpr ``NORM_STYLE``, ``NORM_STYLES``): 0 is the one above, ``y = w * R(x*rstd)`` (Qwen3,
 HunYuan; weight-free norms with w = 1); 1 and 2 the fp32 forms ``y = R(x*rstd*w)`` and ``R(x*rstd*(1 + w))``
