@@ -163,10 +163,10 @@ _GEOMETRIES = (("bshd", "dense"), ("bhsd", "dense"), ("bshd", "paged"), ("bshd",
 # Every norm form with every layout and cache write: one registration each (two for a norm
 # whose graph differs for strided inputs); then RoPE before the norm: HunYuan's norm (the
 # Qwen3 form) on the layouts where RoPE can run first, every other form with a dense cache;
-# then partial rotary and interleaved pairs (GLM's RoPE) with every norm form before the
-# transpose and a dense cache (GLM-4.5's Glm4MoeAttention, Qwen3-Next's and Qwen3.5's
-# (1 + weight) norm, with a StaticCache); then RoPE before the transpose with every norm form
-# (Gemma3n, Gemma4).
+# then partial rotary with every norm form before the transpose, with a StaticCache or Hugging
+# Face's continuous-batching paged / flat caches (GLM-4.5's Glm4MoeAttention, Qwen3-Next's and
+# Qwen3.5's (1 + weight) norm); interleaved pairs (GLM's RoPE) in the same place with a dense
+# cache; then RoPE before the transpose with every norm form (Gemma3n, Gemma4).
 VARIANTS = tuple(
     Variant(layout, cache, norm, strided)
     for norm, form in NORM_FORMS.items()
@@ -177,7 +177,8 @@ VARIANTS = tuple(
     Variant("bhsd", "dense", norm, strided, rope_first=True)
     for norm, form in NORM_FORMS.items() if norm != "qwen3"
     for strided in ((False, True) if form.copies_strided_input else (False,))) + tuple(
-    Variant("bshd", "dense", norm, partial_rope=True) for norm in NORM_FORMS) + tuple(
+    Variant("bshd", cache, norm, partial_rope=True) for norm in NORM_FORMS for cache in ("dense", "paged", "flat")
+) + tuple(
     Variant("bshd", "dense", norm, interleaved=True) for norm in NORM_FORMS
 ) + tuple(Variant("bshd", "dense", norm, rope_before_transpose=True) for norm in NORM_FORMS)
 

@@ -149,6 +149,8 @@ class PagedPrologue(nn.Module):
         fused_qkv: one fused QKV Linear + split instead of three projections.
         norm: one of NORMS or NORM_LOOK_ALIKES (``make_norm``).
         rope_first: RoPE, then the norm (HunYuan's order; "tokens" layout only).
+        rope: the ``apply_rotary_pos_emb`` called (Hugging Face's, or GLM-4.5's partial one, whose
+            tables are ``rotary_dim`` wide: ``make_paged_inputs(rotary_dim=...)``).
     Forward(hidden_states [T, hidden] ("tokens") or [1, S, hidden] ("hf_batch1"),
     cos/sin [T, D] or [1, S, D], key_cache/value_cache [num_blocks, block_size, Hkv, D]
     (``"flat"``: [slots, Hkv, D]), slot_mapping [T] int64) returns (q_rotated, a sum that
@@ -156,7 +158,7 @@ class PagedPrologue(nn.Module):
     """
 
     def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=16, layout="tokens", cache_write="index_put",
-                 fused_qkv=False, q_eps=1e-6, k_eps=1e-6, norm="qwen3", rope_first=False):
+                 fused_qkv=False, q_eps=1e-6, k_eps=1e-6, norm="qwen3", rope_first=False, rope=None):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
@@ -165,7 +167,7 @@ class PagedPrologue(nn.Module):
         if rope_first and layout != "tokens":
             raise ValueError(f"rope_first: supported with layout 'tokens', got layout {layout!r}")
         self.kv_heads, self.head_dim, self.layout, self.cache_write = kv_heads, head_dim, layout, cache_write
-        self.rope_first = rope_first
+        self.rope_first, self.rope = rope_first, rope or apply_rotary_pos_emb
         self.proj = QKVProjection(hidden, q_heads, kv_heads, head_dim, fused_qkv)
         self.q_norm = make_norm(norm, q_heads, head_dim, q_eps)
         self.k_norm = make_norm(norm, kv_heads, head_dim, k_eps)
@@ -182,11 +184,11 @@ class PagedPrologue(nn.Module):
         v = v.view(head_shape)
         if self.layout == "tokens":
             # [T, H, D] with cos/sin [T, D]: apply_rotary_pos_emb's unsqueeze(1) gives [T, 1, D].
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = self.rope(q, k, cos, sin)
             k_rows, v_rows = k, v
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = self.rope(q, k, cos, sin)
             # PagedAttentionCache.update: [1, Hkv, S, D] -> [S, Hkv, D]
             k_rows, v_rows = (x.squeeze(0).transpose(0, 1) for x in (k, v))
         return self._write(q, k_rows, v_rows, key_cache, value_cache, slot_mapping)
@@ -206,13 +208,14 @@ class PagedPrologue(nn.Module):
 
 
 def make_paged_inputs(tokens=5, hidden=64, kv_heads=2, head_dim=16, num_blocks=4, block_size=8, layout="tokens",
-                      cache_write="index_put", slots=None, dtype=torch.bfloat16, seed=0):
-    """Random inputs: hidden, cos, sin, key_cache, value_cache (random, so untouched rows can be
-    checked), slot_mapping [T] (default: distinct slots scattered over the blocks)."""
+                      cache_write="index_put", slots=None, dtype=torch.bfloat16, seed=0, rotary_dim=None):
+    """Random inputs: hidden, cos, sin (``rotary_dim`` wide, default head_dim), key_cache,
+    value_cache (random, so untouched rows can be checked), slot_mapping [T] (default: distinct
+    slots scattered over the blocks)."""
     g = torch.Generator().manual_seed(seed)
     batch_shape = (tokens,) if layout == "tokens" else (1, tokens)
     hidden_states = torch.randn(*batch_shape, hidden, generator=g).to(dtype)
-    angles = torch.rand(*batch_shape, head_dim // 2, generator=g) * 6.28
+    angles = torch.rand(*batch_shape, (rotary_dim or head_dim) // 2, generator=g) * 6.28
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     cache_shape = (num_blocks * block_size, kv_heads, head_dim) if cache_write == "flat" else (

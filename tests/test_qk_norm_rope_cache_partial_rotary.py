@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb as glm4_moe_apply_rotary_pos_emb
 from transformers.models.glm4_moe.modeling_glm4_moe import rotate_half
 
 import fusion_pass
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference
 from compile_capture import assert_left_unfused, eager, fused_call, fused_count, run_fused
 from fused_op_calls import assert_op_call_matches_reference, random_op_args
-from prologue_variants import Glm4MoePrologue, Qwen3NextPrologue, make_glm_inputs
+from prologue_variants import Glm4MoePrologue, PagedPrologue, Qwen3NextPrologue, make_glm_inputs, make_paged_inputs
 
 
 
@@ -151,3 +152,22 @@ def test_op_rejects_a_rotary_dim_that_does_not_fit_by_name(change, name, expecte
     args = dict(make_op_args(), **change)
     with pytest.raises(ValueError, match=rf"qk_norm_rope_cache: {name}: expected {expected}"):
         torch.ops.fusion_pass.qk_norm_rope_cache(**args)
+
+
+# --- partial rotary with paged and flat caches ------------------------------------------------
+
+@pytest.mark.parametrize("cache_write", ["index_put", "flat"])
+@pytest.mark.parametrize("norm", ["qwen3", "gemma3"])
+def test_partial_rotary_with_a_paged_or_flat_cache_fuses_once_and_is_bit_exact(norm, cache_write):
+    """GLM-4.5's partial rotary (Qwen3's norm form) and Qwen3.5's (``1 + w``), written through a slot
+    mapping as Hugging Face's continuous batching writes its ``[1, S, H, D]`` rows."""
+    model = PagedPrologue(head_dim=64, layout="hf_batch1", cache_write=cache_write, norm=norm,
+                          rope=glm4_moe_apply_rotary_pos_emb).to(torch.bfloat16)
+    inputs = list(make_paged_inputs(head_dim=64, layout="hf_batch1", cache_write=cache_write, rotary_dim=32))
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    call = fused_call(capture.after[0])
+    assert "rotary_dim=32" in call and "qk_norm_rope_paged_cache" in call, call
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
