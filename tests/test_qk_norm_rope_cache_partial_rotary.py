@@ -32,6 +32,17 @@ def rotate_last_features(q, k, cos, sin):
     return tuple(out)
 
 
+def fused_once_and_bit_exact(model, inputs: list) -> str:
+    """Compiled with the pass: one fusion, q and both caches (inputs 3 and 4) bit-identical to
+    eager's. Returns the fused op's call line."""
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+    return fused_call(capture.after[0])
+
+
 # --- the model form fuses, bit for bit --------------------------------------------------------
 
 @pytest.mark.parametrize(
@@ -69,13 +80,8 @@ def test_qwen3_next_partial_rotary_with_its_one_plus_weight_norm_fuses_once_and_
     torch.manual_seed(0)
     model = Qwen3NextPrologue(hidden=64, q_heads=4, kv_heads=2, head_dim=64).to(torch.bfloat16)
     inputs = make_glm_inputs(batch=2, seq=seq, kv_heads=2, head_dim=64, rotary_dim=16)
-    (q_ref, _), ref_inputs = eager(model, inputs)
-    (q_out, _), capture = run_fused(model, inputs)
-    assert fused_count() == 1
-    call = fused_call(capture.after[0])
+    call = fused_once_and_bit_exact(model, inputs)
     assert "rotary_dim=16" in call and "norm='fp32_one_plus_weight'" in call, call
-    assert torch.equal(q_out, q_ref)
-    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
 
 
 def test_full_rotary_graph_still_calls_the_op_without_rotary_dim():
@@ -83,12 +89,7 @@ def test_full_rotary_graph_still_calls_the_op_without_rotary_dim():
     the Qwen3 one (``q[..., head_dim:]`` is empty): the op is called as before, no rotary_dim."""
     model = Glm4MoePrologue(head_dim=32).to(torch.bfloat16)
     inputs = make_glm_inputs(head_dim=32, rotary_dim=32)
-    (q_ref, _), ref_inputs = eager(model, inputs)
-    (q_out, _), capture = run_fused(model, inputs)
-    assert fused_count() == 1
-    assert "rotary_dim" not in fused_call(capture.after[0])
-    assert torch.equal(q_out, q_ref)
-    assert torch.equal(inputs[3], ref_inputs[3])
+    assert "rotary_dim" not in fused_once_and_bit_exact(model, inputs)
 
 
 # --- look-alikes and near-misses stay unfused -------------------------------------------------
@@ -164,10 +165,5 @@ def test_partial_rotary_with_a_paged_or_flat_cache_fuses_once_and_is_bit_exact(n
     model = PagedPrologue(head_dim=64, layout="hf_batch1", cache_write=cache_write, norm=norm,
                           rope=glm4_moe_apply_rotary_pos_emb).to(torch.bfloat16)
     inputs = list(make_paged_inputs(head_dim=64, layout="hf_batch1", cache_write=cache_write, rotary_dim=32))
-    (q_ref, _), ref_inputs = eager(model, inputs)
-    (q_out, _), capture = run_fused(model, inputs)
-    assert fused_count() == 1
-    call = fused_call(capture.after[0])
+    call = fused_once_and_bit_exact(model, inputs)
     assert "rotary_dim=32" in call and "qk_norm_rope_paged_cache" in call, call
-    assert torch.equal(q_out, q_ref)
-    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
