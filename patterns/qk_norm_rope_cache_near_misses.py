@@ -13,7 +13,7 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only,
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
-from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
+from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rms_norm_reference, rope_reference
 from fusion_pass.matching import EPS_EXAMPLE, match_value, trace_as_post_grad
 from fusion_pass.pattern_cache import inputs_signature, traced_pattern
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
@@ -23,6 +23,8 @@ _NO_CACHE_WRITE = "per-head RMSNorm -> RoPE without a matching K/V cache write (
 _ROPE_FIRST_NO_CACHE_WRITE = "RoPE -> per-head RMSNorm without a matching K/V cache write (left unfused)"
 _FP32_MODEL = ("per-head RMSNorm -> RoPE in float32: the fused kernel takes bf16 or fp16 models (left to "
                "Inductor)")
+_PARTIAL_NO_CACHE_WRITE = ("per-head RMSNorm -> partial RoPE without a matching K/V cache write (partial rotary is "
+                           "fused on [B, S, H, D] rows, norm first, with a dense, paged or flat cache; left unfused)")
 _FULL_WIDTH_NORM = ("RMSNorm over the whole projection width, then heads -> RoPE (e.g. OLMo2): not a per-head norm, "
                     "which the kernel computes (left unfused; under head-sharded tensor parallelism its variance "
                     "would need an all-reduce)")
@@ -45,10 +47,21 @@ def near_miss_pass(family: str) -> PatternMatcherPass:
 
         return report_only
 
-    def norm_rope(norm: NormForm, norm_before_transpose):
+    def register(name: str, search, example: list, reason: str, trace=fwd_only, allowed=None) -> None:
+        """Trace ``search`` on ``example`` (or load it from the pattern cache) and report ``reason``
+        wherever it matches a graph of an enabled device."""
+        pattern = traced_pattern(f"qk_norm_rope_cache_near_miss_{name}",
+                                 functools.partial(gen_pattern, search, example, trace, {"eps": EPS_EXAMPLE}),
+                                 inputs_signature(example))
+        register_graph_pattern(
+            pattern, pass_dict=near_misses,
+            extra_check=allowed or (lambda match: fusion_config.device_allowed(match_value(match, "x").device)),
+        )(report(reason))
+
+    def norm_rope(norm: NormForm, norm_before_transpose, rope=rope_reference):
         def search(x, weight, cos, sin, eps):
             x = norm.fn(x, weight, eps)
-            return rope_reference(x.transpose(1, 2) if norm_before_transpose else x, cos, sin)
+            return rope(x.transpose(1, 2) if norm_before_transpose else x, cos, sin)
 
         if norm.weighted:
             return search
@@ -68,18 +81,13 @@ def near_miss_pass(family: str) -> PatternMatcherPass:
             example[0] = t(2, 8, 4, 16).transpose(1, 2) if strided else t(2, 4, 8, 16)
         if not norm.weighted:
             del example[1]
-        pattern = traced_pattern(
-            f"qk_norm_rope_cache_near_miss_{name}_{int(norm_before_transpose)}_{int(strided)}_{str(dtype)[6:]}",
-            functools.partial(gen_pattern, norm_rope(norm, norm_before_transpose), example, fwd_only,
-                              {"eps": EPS_EXAMPLE}),
-            inputs_signature(example))
-
         def allowed(match, fp32=dtype == torch.float32):
             x = match_value(match, "x")
             return fusion_config.device_allowed(x.device) and (x.dtype == torch.float32) == fp32
 
-        register_graph_pattern(pattern, pass_dict=near_misses, extra_check=allowed)(
-            report(_FP32_MODEL if dtype == torch.float32 else _NO_CACHE_WRITE))
+        register(f"{name}_{int(norm_before_transpose)}_{int(strided)}_{str(dtype)[6:]}",
+                 norm_rope(norm, norm_before_transpose), example,
+                 _FP32_MODEL if dtype == torch.float32 else _NO_CACHE_WRITE, allowed=allowed)
 
     # One norm over the projection's width, then the head view and RoPE (Olmo2Attention, whose norm is
     # AFMoE's form; Qwen3's form too). The view's sizes are the example's: ints are wildcards in patterns.
@@ -92,14 +100,20 @@ def near_miss_pass(family: str) -> PatternMatcherPass:
     t = functools.partial(torch.empty, dtype=torch.bfloat16)
     example = [t(2, 8, 64), t(64), t(2, 1, 8, 16), t(2, 1, 8, 16)]
     for name in ("qwen3", "afmoe"):
-        pattern = traced_pattern(f"qk_norm_rope_cache_near_miss_full_width_{name}",
-                                 functools.partial(gen_pattern, full_width_norm_rope(NORM_FORMS[name]), example, trace_as_post_grad,
-                                                   {"eps": EPS_EXAMPLE}),
-                                 inputs_signature(example))
-        register_graph_pattern(
-            pattern, pass_dict=near_misses,
-            extra_check=lambda match: fusion_config.device_allowed(match_value(match, "x").device),
-        )(report(_FULL_WIDTH_NORM))
+        register(f"full_width_{name}", full_width_norm_rope(NORM_FORMS[name]), example, _FULL_WIDTH_NORM,
+                 trace=trace_as_post_grad)
+
+    # Partial rotary (GLM-4.5, Qwen3-Next, Qwen3.5) left unfused: on flattened tokens [T, H, D]
+    # (vLLM's layout, not registered), or on Hugging Face's rows without a cache write the fusion
+    # takes. The slice bounds are ints, wildcards in a pattern: any rotary_dim matches.
+    t = functools.partial(torch.empty, dtype=torch.bfloat16)
+    for (name, norm), tokens in itertools.product(NORM_FORMS.items(), (False, True)):
+        example = ([t(8, 4, 16), t(16), t(8, 1, 8), t(8, 1, 8)] if tokens
+                   else [t(2, 8, 4, 16), t(16), t(2, 1, 8, 8), t(2, 1, 8, 8)])
+        if not norm.weighted:
+            del example[1]
+        register(f"partial_{name}_{int(tokens)}", norm_rope(norm, not tokens, partial_rope_reference), example,
+                 _PARTIAL_NO_CACHE_WRITE)
 
     # HunYuan's order: RoPE on [B, H, S, D], then the (Qwen3-form) norm.
     def rope_norm(x, weight, cos, sin, eps):
@@ -107,12 +121,6 @@ def near_miss_pass(family: str) -> PatternMatcherPass:
 
     t = functools.partial(torch.empty, dtype=torch.bfloat16)
     example = [t(2, 4, 8, 16), t(16), t(2, 1, 8, 16), t(2, 1, 8, 16)]
-    pattern = traced_pattern("qk_norm_rope_cache_near_miss_rope_first",
-                             functools.partial(gen_pattern, rope_norm, example, fwd_only, {"eps": EPS_EXAMPLE}),
-                             inputs_signature(example))
-    register_graph_pattern(
-        pattern, pass_dict=near_misses,
-        extra_check=lambda match: fusion_config.device_allowed(match_value(match, "x").device),
-    )(report(_ROPE_FIRST_NO_CACHE_WRITE))
+    register("rope_first", rope_norm, example, _ROPE_FIRST_NO_CACHE_WRITE)
     return near_misses
 

@@ -167,3 +167,14 @@ def test_partial_rotary_with_a_paged_or_flat_cache_fuses_once_and_is_bit_exact(n
     inputs = list(make_paged_inputs(head_dim=64, layout="hf_batch1", cache_write=cache_write, rotary_dim=32))
     call = fused_once_and_bit_exact(model, inputs)
     assert "rotary_dim=32" in call and "qk_norm_rope_paged_cache" in call, call
+
+
+@pytest.mark.parametrize("norm", ["qwen3", "gemma3"])
+def test_partial_rotary_on_flattened_tokens_is_a_reported_near_miss(norm):
+    """vLLM's layout ([T, H, D], cos/sin [T, R]) with partial rotary is not registered: left to
+    Inductor, and the report says so for q and for k."""
+    model = PagedPrologue(head_dim=64, layout="tokens", norm=norm, rope=glm4_moe_apply_rotary_pos_emb).to(torch.bfloat16)
+    assert_left_unfused(model, list(make_paged_inputs(head_dim=64, layout="tokens", rotary_dim=32)))
+    [(miss, count)] = fusion_pass.near_misses().items()
+    assert (miss.family, count) == ("qk_norm_rope_cache", 2)
+    assert miss.reason.startswith("per-head RMSNorm -> partial RoPE without a matching K/V cache write"), miss
