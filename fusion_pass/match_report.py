@@ -13,6 +13,8 @@ import dataclasses
 
 from torch._dynamo.utils import counters
 
+from . import families
+
 COUNTER_KEY = "fusion_pass"
 
 
@@ -60,8 +62,6 @@ def report() -> str:
         near-misses (structure found, not fused):
           qk_norm_rope_cache: head_dim 96 is not a power of two (the kernel serves powers of two in [16, 512]) (x2)
     """
-    from . import families
-
     counts = match_counts()
     total = sum(counts.values())
     lines = [f"fusion_pass: {total} fusion{'s' if total != 1 else ''} applied"]

@@ -89,12 +89,12 @@ def _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_d):
 
 @triton.jit
 def _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF: tl.constexpr,
-                   SECOND_OFFSETS: tl.constexpr):
+                   PARTIAL: tl.constexpr):
     """Pointers ``[heads, rows, D/2]`` to the features of the two half tiles: ``offs_1`` and
-    ``offs_1 + HALF`` (the RoPE halves), or (``SECOND_OFFSETS``: partial or interleaved rotary)
+    ``offs_1 + HALF`` (the RoPE halves), or (``PARTIAL``: partial rotary, ``_feature_offsets``)
     ``offs_1`` and ``offs_2``."""
     first = ptr + _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_1)
-    if SECOND_OFFSETS:
+    if PARTIAL:
         second = ptr + _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_2)
     else:
         second = first + HALF
@@ -103,11 +103,11 @@ def _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs
 
 @triton.jit
 def _load_pair_tiles(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, ht_mask, d_mask3,
-                     HALF: tl.constexpr, SECOND_OFFSETS: tl.constexpr):
+                     HALF: tl.constexpr, PARTIAL: tl.constexpr):
     """The two ``[heads, rows, D/2]`` tiles of the RoPE pairs, in fp32 (``ht_mask`` [heads, rows])."""
     mask = ht_mask[:, :, None] & d_mask3
     src, src2 = _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF,
-                               SECOND_OFFSETS)
+                               PARTIAL)
     x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first")
     x2 = tl.load(src2, mask=mask, other=0.0, eviction_policy="evict_first")
     return x1.to(tl.float32), x2.to(tl.float32)
@@ -115,11 +115,11 @@ def _load_pair_tiles(ptr, batch, heads, rows, stride_b, stride_h, stride_row, of
 
 @triton.jit
 def _store_pair_tiles(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, ht_mask, d_mask3,
-                      out1, out2, HALF: tl.constexpr, SECOND_OFFSETS: tl.constexpr):
+                      out1, out2, HALF: tl.constexpr, PARTIAL: tl.constexpr):
     """Store the two tiles where ``_load_pair_tiles`` loads them from."""
     mask = ht_mask[:, :, None] & d_mask3
     dst, dst2 = _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF,
-                               SECOND_OFFSETS)
+                               PARTIAL)
     tl.store(dst, out1, mask=mask)
     tl.store(dst2, out2, mask=mask)
 
@@ -241,20 +241,20 @@ def _rstd(x, eps, HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
 def _rms_norm(
     x1, x2, weight_ptr, offs_d, offs_2, d_mask, eps,
     in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
-    NORM_STYLE: tl.constexpr, SECOND_OFFSETS: tl.constexpr,
+    NORM_STYLE: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """RMSNorm of a ``[heads, tokens, D/2]`` pair of fp32 half tiles (values of the model dtype).
 
     ``NORM_STYLE`` is the index of the norm's form in ``NORM_STYLES`` (0: Qwen3's); the
     weight-free style (3) never reads ``weight_ptr``. The tiles hold features ``offs_d`` and
-    ``offs_d + HALF``, or (``SECOND_OFFSETS``) ``offs_d`` and ``offs_2`` (partial or interleaved rotary): the
+    ``offs_d + HALF``, or (``PARTIAL``) ``offs_d`` and ``offs_2`` (``_feature_offsets``): the
     weights are read at the same features. Returns the two halves rounded to ``dtype`` (held
     in fp32).
     """
     if NORM_STYLE != 3:
         # Weights first: their load then overlaps the statistic's reduction.
         w1 = tl.load(weight_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
-        if SECOND_OFFSETS:
+        if PARTIAL:
             w2 = tl.load(weight_ptr + offs_2, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
         else:
             w2 = tl.load(weight_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, None, :]
@@ -303,11 +303,11 @@ def _partial_rope(y1, y2, cos1, cos2, sin1, sin2, rotated, dtype: tl.constexpr, 
 def _norm_rope(
     x1, x2, weight_ptr, offs_d, offs_2, d_mask, rotated, eps, cos1, cos2, sin1, sin2,
     in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr,
-    NORM_STYLE: tl.constexpr, ROPE_FIRST: tl.constexpr, PARTIAL: tl.constexpr, SECOND_OFFSETS: tl.constexpr,
+    NORM_STYLE: tl.constexpr, ROPE_FIRST: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """RMSNorm then rotate_half RoPE (``ROPE_FIRST``: RoPE, then the norm of the rotated rows,
     HunYuan's order) of a ``[heads, tokens, D/2]`` pair of fp32 half tiles (the tiles hold the
-    features ``offs_d``/``offs_d + HALF``, or ``offs_d``/``offs_2`` with ``SECOND_OFFSETS``); ``PARTIAL``: only
+    features ``offs_d``/``offs_d + HALF``, or (``PARTIAL``) ``offs_d``/``offs_2``, of which only
     the lanes where ``rotated`` holds are rotated (``_feature_offsets``).
 
     Returns the two halves of the result, rounded to ``dtype`` (held in fp32).
@@ -315,10 +315,10 @@ def _norm_rope(
     if ROPE_FIRST:
         r1, r2 = _partial_rope(x1, x2, cos1, cos2, sin1, sin2, rotated, dtype, INTERPRETED, PARTIAL)
         out1, out2 = _rms_norm(r1, r2, weight_ptr, offs_d, offs_2, d_mask, eps, dtype, dtype, HEAD_DIM, HALF,
-                               INTERPRETED, NORM_STYLE, SECOND_OFFSETS)
+                               INTERPRETED, NORM_STYLE, PARTIAL)
     else:
         y1, y2 = _rms_norm(x1, x2, weight_ptr, offs_d, offs_2, d_mask, eps, in_dtype, dtype, HEAD_DIM, HALF,
-                           INTERPRETED, NORM_STYLE, SECOND_OFFSETS)
+                           INTERPRETED, NORM_STYLE, PARTIAL)
         out1, out2 = _partial_rope(y1, y2, cos1, cos2, sin1, sin2, rotated, dtype, INTERPRETED, PARTIAL)
     return out1, out2
 
@@ -370,8 +370,8 @@ def _norm_rope_blocks(
     dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
     ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
-    ROPE_FIRST: tl.constexpr, PARTIAL: tl.constexpr, SECOND_OFFSETS: tl.constexpr, INTERLEAVED: tl.constexpr,
-    COS_SHIFT: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    ROPE_FIRST: tl.constexpr, PARTIAL: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_HALF: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
 ):
     """Norm + RoPE of ``BLOCKS_PER_PROGRAM`` head blocks of q (or k: ``WRITE_CACHE``, which also
     writes the cache rows), from head block ``first_block`` on, of this program's tokens. Every
@@ -394,12 +394,12 @@ def _norm_rope_blocks(
             offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
             ht_mask = (offs_h < heads_total)[:, None] & token_mask[None, :]
             tiles = tiles + _load_pair_tiles(x_ptr, batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, offs_1,
-                                             offs_2, ht_mask, d_mask3, HALF, SECOND_OFFSETS)
+                                             offs_2, ht_mask, d_mask3, HALF, PARTIAL)
         cos1, cos2, sin1, sin2 = _load_cos_sin(
             cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, (first_block * HEADS_PER_PROGRAM + heads).to(tl.int64),
             offs_s64, token_mask, offs_d,
             rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-            attention_scaling, dtype, COS_SHIFT, ROPE_FROM_POSITIONS, INTERPRETED,
+            attention_scaling, dtype, ROT_HALF, ROPE_FROM_POSITIONS, INTERPRETED,
         )
         for i in tl.static_range(BLOCKS_PER_PROGRAM):
             offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
@@ -408,16 +408,15 @@ def _norm_rope_blocks(
             out1, out2 = _norm_rope(
                 tiles[2 * i], tiles[2 * i + 1], weight_ptr, offs_1, offs_2, d_mask, rotated, eps, cos1, cos2, sin1,
                 sin2, x_ptr.dtype.element_ty, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL,
-                SECOND_OFFSETS,
             )
             out1 = out1.to(dtype)
             out2 = out2.to(dtype)
             _store_pair_tiles(out_ptr, batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, offs_1, offs_2,
-                              ht_mask, d_mask3, out1, out2, HALF, SECOND_OFFSETS)
+                              ht_mask, d_mask3, out1, out2, HALF, PARTIAL)
             if WRITE_CACHE:
                 _store_pair_tiles(cache_ptr, batch, offs_h, positions, stride_c_b, stride_c_h, stride_c_l, offs_1,
                                   offs_2, head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF,
-                                  SECOND_OFFSETS)
+                                  PARTIAL)
 
 
 @triton.jit
@@ -534,8 +533,6 @@ def _qk_norm_rope_cache_kernel(
     # Partial rotary (``rotary_dim < head_dim``): cos/sin rows hold ROTARY_DIM values.
     PARTIAL: tl.constexpr = ROTARY_DIM != HEAD_DIM
     ROT_HALF: tl.constexpr = ROTARY_DIM // 2
-    SECOND_OFFSETS: tl.constexpr = PARTIAL
-    COS_SHIFT: tl.constexpr = ROT_HALF
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
     if not INTERPRETED:
         # Inductor passes Python floats as fp64 scalars; eager adds eps to the fp32 statistic.
@@ -585,8 +582,8 @@ def _qk_norm_rope_cache_kernel(
             stride_qo_h, stride_qo_s, stride_kc_b, stride_kc_h, stride_kc_l, stride_cos_b, stride_cos_s,
             stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, q_eps, attention_scaling,
             dtype, HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM,
-            ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS, INTERLEAVED,
-            COS_SHIFT, False,
+            ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, INTERLEAVED,
+            ROT_HALF, False,
         )
     else:
         # The cache rows of this program's tokens (k and v programs write them), in one place: every
@@ -603,8 +600,8 @@ def _qk_norm_rope_cache_kernel(
                 stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, k_eps,
                 attention_scaling,
                 dtype, HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM,
-                ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, SECOND_OFFSETS, INTERLEAVED,
-                COS_SHIFT, True,
+                ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, INTERLEAVED,
+                ROT_HALF, True,
             )
         else:
             # ---- v: copied into the v cache rows
