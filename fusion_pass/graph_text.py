@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor import custom_graph_pass
 
 
 def _target_name(target) -> str:
@@ -57,7 +58,10 @@ def graph_text(graph: torch.fx.Graph, keep_constants: bool = True) -> str:
     return "\n".join(lines)
 
 
-class CapturingPass(CustomGraphPass):
+_InferenceAwarePass = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", CustomGraphPass)
+
+
+class CapturingPass(_InferenceAwarePass):
     """Wraps a graph pass: records ``graph_text`` before and after it, for every graph compiled.
 
     Its ``uuid()`` is None, so Inductor compiles afresh instead of serving a cached graph (a
@@ -70,9 +74,12 @@ class CapturingPass(CustomGraphPass):
         self.after: list[str] = []
         self.after_graphs: list[torch.fx.Graph] = []
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
         self.before.append(graph_text(graph))
-        self.inner(graph)
+        if _InferenceAwarePass is not CustomGraphPass and isinstance(self.inner, _InferenceAwarePass):
+            self.inner(graph, is_inference=is_inference)  # Inductor says which graph it is; pass it on
+        else:
+            self.inner(graph)
         self.after.append(graph_text(graph))
         self.after_graphs.append(graph)
 

@@ -97,9 +97,32 @@ def match_value(match: Match, name: str):
     return node.meta["val"] if isinstance(node, torch.fx.Node) else node
 
 
-def trace_as_post_grad(fn, args, **kwargs) -> torch.fx.GraphModule:
-    """``fwd_only``, then views spelled as the post-grad graph spells them (``aten.reshape``:
-    Inductor's ``view_to_reshape`` has run before the custom pre-passes)."""
+def is_new_pattern(pass_dict: PatternMatcherPass, pattern) -> bool:
+    """Whether ``pattern`` is not yet in ``pass_dict`` (and now noted there). Two spellings whose
+    canonical forms (``trace_canonical``) are one graph compute the same values, so the first
+    registration serves both; Inductor refuses a duplicate pattern."""
+    seen = pass_dict.__dict__.setdefault("_fusion_pass_patterns", set())
+    key = repr(pattern)
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
+def trace_canonical(fn, args, **kwargs) -> torch.fx.GraphModule:
+    """``fwd_only``, then the spelling rewrites the graphs matched go through
+    (``patterns/canonical_forms.py``): a pattern is the canonical form of its reference code."""
+    from fusion_pass.patterns.canonical_forms import canonicalize  # the patterns package imports this module
+
     gm = fwd_only(fn, args, **kwargs)
+    if canonicalize(gm.graph):
+        gm.recompile()
+    return gm
+
+
+def trace_as_post_grad(fn, args, **kwargs) -> torch.fx.GraphModule:
+    """``trace_canonical``, with views spelled as the post-grad graph spells them (``aten.reshape``:
+    Inductor's ``view_to_reshape`` has run before the custom pre-passes)."""
+    gm = trace_canonical(fn, args, **kwargs)
     view_to_reshape(gm)
     return gm

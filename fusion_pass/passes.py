@@ -11,6 +11,7 @@ pattern, a kernel or the configuration can never serve a stale graph (pytorch#13
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Any, Callable
 
@@ -56,6 +57,18 @@ def _apply_family(family: str, graph: torch.fx.Graph) -> int:
     return _family_pass(family).apply(graph)
 
 
+#: Whether the graph the pass is running on is an inference graph (Inductor's ``is_inference``);
+#: None outside a pass, or where Inductor does not say.
+_GRAPH_IS_INFERENCE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fusion_pass_is_inference",
+                                                                                 default=None)
+
+
+def graph_is_inference() -> bool | None:
+    """Inside a pass: whether its graph is an inference graph (not a training graph's forward);
+    None when Inductor did not say."""
+    return _GRAPH_IS_INFERENCE.get()
+
+
 # Inductor passes ``is_inference`` to a post-grad pass of this kind, which ours hands on to a
 # user's inference-aware pass; a torch without the class has no such passes to hand it to.
 _InferenceAwarePass = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", CustomGraphPass)
@@ -94,13 +107,11 @@ class FusionGraphPass(_InferenceAwarePass):
         self.previous = previous
 
     def __call__(self, graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
-        with fusion_config.using(self.config):
-            replaced = 0
-            for family in self.families:
-                if family in self.config.families:
-                    count = _apply_family(family, graph)
-                    match_report.record_match(family, count)
-                    replaced += count
+        token = _GRAPH_IS_INFERENCE.set(is_inference)
+        try:
+            replaced = self._apply_families(graph)
+        finally:
+            _GRAPH_IS_INFERENCE.reset(token)
         if replaced:
             # A replacement is inserted where the pattern's first output was; inputs of later
             # outputs (k, v) may be defined after it. Later passes expect topological order.
@@ -112,6 +123,16 @@ class FusionGraphPass(_InferenceAwarePass):
                 previous(graph, is_inference=bool(is_inference))
             else:
                 previous(graph)
+
+    def _apply_families(self, graph: torch.fx.Graph) -> int:
+        with fusion_config.using(self.config):
+            replaced = 0
+            for family in self.families:
+                if family in self.config.families:
+                    count = _apply_family(family, graph)
+                    match_report.record_match(family, count)
+                    replaced += count
+        return replaced
 
     def uuid(self) -> Any:
         previous_uuid = []

@@ -23,8 +23,9 @@ or no weight, then ``q_weight``/``k_weight`` are None). ``rope_first=True`` appl
 the norm (``HunYuanDenseV1Attention``: ``apply_rotary_pos_emb``, then ``query_layernorm``).
 ``rotary_dim`` < head_dim rotates only the first ``rotary_dim`` features and passes the rest
 through (partial rotary, ``Glm4MoeAttention``); cos/sin are then ``rotary_dim`` wide.
-``interleaved=True`` rotates the pairs ``(x[2i], x[2i+1])`` by entry i of cos/sin (GPT-J's
-``rotate_every_two``, GLM's ``rotate_half`` with ``repeat_interleave(2)`` tables).
+``interleaved=True`` rotates the pairs ``(x[2i], x[2i+1])`` (GPT-J's ``rotate_every_two``, GLM's
+``rotate_half``): ``x * cos + rotate_half_interleaved(x) * sin`` with cos/sin holding one entry
+per feature, as the model passes them (GLM repeats each pair's entry, ``repeat_interleave(2)``).
 
 Both ops mutate their cache arguments (``Tensor(a!)`` in the schema): under torch.compile each
 appears as ``auto_functionalized`` and Inductor calls it directly on the cache buffers, so the caches
@@ -43,14 +44,14 @@ from .triton_device import triton_applicable
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def output_dtype(q: torch.Tensor, q_weight: torch.Tensor | None, norm: str = "weight") -> torch.dtype:
-    """dtype of q_out/k_out (and of cos/sin and the k cache): q's, except Qwen3's ``weight *
-    n.to(dtype)`` with an fp32 weight over a half-precision q, whose product promotes to fp32
-    (a bf16 ``torch.autocast`` region over an fp32 model: the projections run in bf16, the norm's
-    weight stays fp32, and so do RoPE and the k cache after it)."""
-    if norm == "weight" and q_weight is not None:
-        return torch.promote_types(q.dtype, q_weight.dtype)
-    return q.dtype
+def output_dtype(q: torch.Tensor, q_weight: torch.Tensor | None, cos: torch.Tensor, norm: str = "weight") -> torch.dtype:
+    """dtype of q_out/k_out (and of cos/sin and the k cache): q's, or fp32 in a bf16/fp16
+    ``torch.autocast`` region over an fp32 model, where the projections run in half precision
+    while the norm's weight and the rotary tables stay fp32. Qwen3's ``weight * n.to(dtype)``
+    promotes to the weight's dtype; the other forms end in q's dtype (``.to(x.dtype)``,
+    ``type_as(x)``), and RoPE's products then promote to the tables' dtype."""
+    normed = torch.promote_types(q.dtype, q_weight.dtype) if norm == "weight" and q_weight is not None else q.dtype
+    return torch.promote_types(normed, cos.dtype)
 
 
 def check_qk_norm_rope_cache_args(
@@ -71,12 +72,11 @@ def check_qk_norm_rope_cache_args(
 ) -> None:
     """Raise ``ValueError`` naming the first argument that breaks the op's contract.
 
-    ``q_weight``/``k_weight`` are [D] tensors of q's dtype (or fp32 for ``norm="fp32_weight"``, and
-    for ``"weight"``, whose outputs are then fp32: ``output_dtype``), or None exactly when ``norm`` is
-    ``"no_weight"``. cos/sin and k_cache have the outputs' dtype, v_cache v's. cos/sin are ``rotary_dim`` wide (D when
+    ``q_weight``/``k_weight`` are [D] tensors of q's dtype or fp32 (``output_dtype`` says what the
+    outputs then are), or None exactly when ``norm`` is ``"no_weight"``. cos/sin and k_cache have the outputs' dtype, v_cache v's. cos/sin are ``rotary_dim`` wide (D when
     None); a partial ``rotary_dim`` is a multiple of 16 below a head_dim that is one too (the
     kernel's pass-through features then lie in 16-byte aligned runs).
-    ``interleaved`` (GPT-J pairs) takes the same cos/sin and uses entry i for pair i.
+    ``interleaved`` (GPT-J pairs) takes the same shapes, one table entry per feature.
     """
 
     def fail(name: str, expected: str, got: object) -> None:
@@ -110,17 +110,13 @@ def check_qk_norm_rope_cache_args(
     for name, w in weights:
         if tuple(w.shape) != (head_dim,):
             fail(name, f"shape [{head_dim}] (head_dim)", f"shape {tuple(w.shape)}")
-        # An fp32 weight multiplies the fp32 row exactly as a promoted bf16 one does
-        # (``nn.RMSNorm`` kept in fp32 in a bf16 model); the other forms round against q's dtype.
-        if norm == "fp32_weight" and w.dtype not in (q.dtype, torch.float32):
-            fail(name, f"q's dtype {q.dtype} or torch.float32 (norm='fp32_weight')", w.dtype)
-        if norm == "weight" and w.dtype not in (q.dtype, torch.float32):
-            fail(name, f"q's dtype {q.dtype} or torch.float32 (norm='weight')", w.dtype)
-        if norm not in ("fp32_weight", "weight") and w.dtype != q.dtype:
-            fail(name, f"q's dtype {q.dtype}", w.dtype)
+        # An fp32 weight (an fp32 model under autocast, ``nn.RMSNorm`` kept in fp32 in a bf16
+        # model) multiplies the fp32 row as the model does; ``output_dtype`` says where it rounds.
+        if w.dtype not in (q.dtype, torch.float32):
+            fail(name, f"q's dtype {q.dtype} or torch.float32", w.dtype)
     if len(weights) == 2 and weights[0][1].dtype != weights[1][1].dtype:
         fail("k_weight", f"q_weight's dtype {weights[0][1].dtype}", weights[1][1].dtype)
-    out_dtype = output_dtype(q, q_weight, norm)
+    out_dtype = output_dtype(q, q_weight, cos, norm)
     if out_dtype != q.dtype and rope_first:
         fail("rope_first", f"False with {out_dtype} weights over {q.dtype} q (mixed precision, RoPE after the norm)",
              rope_first)
@@ -129,8 +125,6 @@ def check_qk_norm_rope_cache_args(
         if not 0 < rotary_dim < head_dim or rotary_dim % 16 or head_dim % 16:
             fail("rotary_dim", f"None, head_dim={head_dim}, or a multiple of 16 below a head_dim that is a multiple "
                  f"of 16 (partial rotary)", rotary_dim)
-        if interleaved:
-            fail("interleaved", "False with a partial rotary_dim (not supported together)", interleaved)
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != rotary:
             width = f"D={head_dim}" if rotary_dim is None else f"rotary_dim={rotary}"
@@ -231,9 +225,9 @@ def qk_norm_rope_cache(
     Args:
         q: [B, Hq, S, D] queries before the norm (any strides with a contiguous last dim).
         k, v: [B, Hkv, S, D] keys before the norm, values; Hq is a multiple of Hkv.
-        q_weight, k_weight: [D] RMSNorm weights, q's dtype (or fp32 for ``norm="fp32_weight"``);
-            None for ``norm="no_weight"``.
-        cos, sin: [B or 1, S, D] rotary tables in q's dtype (as the rotary module returns them).
+        q_weight, k_weight: [D] RMSNorm weights, q's dtype or fp32; None for ``norm="no_weight"``.
+        cos, sin: [B or 1, S, D] rotary tables in the outputs' dtype (as the rotary module returns
+            them): q's, or fp32 under autocast over an fp32 model (``output_dtype``).
         k_cache, v_cache: [B, Hkv, L, D] caches, updated in place at ``cache_position``.
         cache_position: [S] int64 cache rows to write. Negative positions count from the end
             (Python indexing, like ``cache[:, :, pos] = x``); a position outside [-L, L)
@@ -246,8 +240,9 @@ def qk_norm_rope_cache(
         rotary_dim: partial rotary: only the first ``rotary_dim`` features are rotated (cos/sin
             ``[B or 1, S, rotary_dim]``), the others pass through after the norm; a multiple of
             16 below head_dim (itself a multiple of 16). None (default): all head_dim features.
-        interleaved: rotate the pairs ``(x[2i], x[2i+1])`` by ``cos[..., i]``, ``sin[..., i]``
-            (GPT-J / GLM); default False: the pairs ``(x[i], x[i + D/2])`` (``rotate_half``).
+        interleaved: rotate the pairs ``(x[2i], x[2i+1])``: ``x * cos + rotate_half_interleaved(x)
+            * sin``, cos/sin one entry per feature (GPT-J / GLM, whose tables repeat each pair's
+            entry); default False: the pairs ``(x[i], x[i + D/2])`` (``rotate_half``).
 
     Returns:
         (q_rotated [B, Hq, S, D], k_rotated [B, Hkv, S, D]) with q's and k's strides.
@@ -266,7 +261,7 @@ def _run_checked(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_
     if triton_applicable(q):
         from .qk_norm_rope_cache_triton import qk_norm_rope_cache_triton
 
-        dtype = output_dtype(q, q_weight, norm)
+        dtype = output_dtype(q, q_weight, cos, norm)
         q_out, k_out = torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
         qk_norm_rope_cache_triton(
             q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
@@ -461,7 +456,7 @@ def _fake(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_positio
     """Shapes for tracing (both overloads): the checks run at compile time too."""
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, norm,
                                   rotary_dim, interleaved, rope_first)
-    dtype = output_dtype(q, q_weight, norm)
+    dtype = output_dtype(q, q_weight, cos, norm)
     return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
 
 
@@ -470,7 +465,7 @@ def _fake_paged(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, s
     """Shapes for tracing the paged op (both overloads)."""
     check_qk_norm_rope_paged_cache_args(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping,
                                         norm, rotary_dim, interleaved)
-    dtype = output_dtype(q, q_weight, norm)
+    dtype = output_dtype(q, q_weight, cos, norm)
     return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
 
 

@@ -113,12 +113,14 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return (x * cos) + (rotate_half(x) * sin)
 
 
-def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           rotate=rotate_half) -> torch.Tensor:
     """Partial rotary ``apply_rotary_pos_emb`` for one tensor, as transformers' ``Glm4MoeAttention``
     (GLM-4.5) writes it: x [B, H, S, D], cos/sin [Bc, 1, S, R] with R = rotary_dim <= D.
 
-    The first R features are rotated as ``rope_reference`` rotates them (``rotate_half`` of the
-    R-wide slice), the other D - R pass through unchanged::
+    The first R features are rotated as ``rope_reference`` rotates them (``rotate`` of the R-wide
+    slice: ``rotate_half``, or GLM's ``rotate_half_interleaved``), the other D - R pass through
+    unchanged::
 
         rotary_dim = cos.shape[-1]
         q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
@@ -127,7 +129,7 @@ def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """
     rotary_dim = cos.shape[-1]
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    x_embed = (x_rot * cos) + (rotate_half(x_rot) * sin)
+    x_embed = (x_rot * cos) + (rotate(x_rot) * sin)
     # ``.to``: cat's own type promotion (fp32 tables under autocast), written out as the
     # decomposed training graph has it; a no-op otherwise.
     return torch.cat([x_embed, x_pass.to(x_embed.dtype)], dim=-1)
@@ -149,16 +151,20 @@ def interleaved_rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch
     return cos, sin
 
 
+def partial_interleaved_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary on interleaved pairs, as transformers' GLM ``apply_rotary_pos_emb`` computes
+    it (``partial_rotary_factor < 1``): ``partial_rope_reference`` with ``rotate_half_interleaved``;
+    cos/sin [Bc, 1, S, R], one entry per rotated feature."""
+    return partial_rope_reference(x, cos, sin, rotate_half_interleaved)
+
+
 def interleaved_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved (GPT-J style) RoPE of one tensor, as transformers' GLM ``apply_rotary_pos_emb``
-    computes it with all features rotated: x [B, H, S, D], cos/sin [Bc, 1, S, D] (Hugging Face
-    tables, of which the first D/2 entries are used)::
+    computes it with all features rotated, from its tables: x [B, H, S, D], cos/sin [Bc, 1, S, D]
+    with one entry per feature (GLM repeats each pair's entry: ``interleaved_rope_tables``)::
 
-        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
         q_embed = (q * cos) + (rotate_half(q) * sin)     # rotate_half on interleaved pairs
     """
-    cos, sin = interleaved_rope_tables(cos, sin)
     return (x * cos) + (rotate_half_interleaved(x) * sin)
 
 
@@ -202,13 +208,15 @@ def qk_norm_rope_cache_reference(
     ``rope_first``: RoPE, then the norm of the rotated rows (``HunYuanDenseV1Attention``).
     ``rotary_dim``: only the first ``rotary_dim`` features are rotated (cos/sin [Bc, S, rotary_dim],
     ``partial_rope_reference``); None: all of them. ``interleaved``: pairs ``(x[2i], x[2i+1])``
-    rotated by entry i of cos/sin (``interleaved_rope_reference``).
+    rotated by tables with one entry per feature (``interleaved_rope_reference``; with
+    ``rotary_dim``, ``partial_interleaved_rope_reference``).
     Returns (q_rotated, k_rotated) and writes k_rotated and v into the caches in place.
     """
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
+    partial = rotary_dim is not None and rotary_dim != q.shape[-1]
     if interleaved:
-        rope = interleaved_rope_reference
-    elif rotary_dim is not None and rotary_dim != q.shape[-1]:
+        rope = partial_interleaved_rope_reference if partial else interleaved_rope_reference
+    elif partial:
         rope = partial_rope_reference
     else:
         rope = rope_reference

@@ -24,8 +24,10 @@ unchanged by the others):
 * ``ROPE_FIRST``: RoPE, then the norm of the rotated rows (HunYuan's order).
 * ``ROTARY_DIM`` R < D: the first R features rotated in pairs ``(d, d + R/2)``, the rest passed
   through (``_feature_offsets``, ``_partial_rope``); R and D multiples of 16.
-* ``INTERLEAVED``: GPT-J's pairs ``(x[2i], x[2i+1])``, both rotated by entry i of cos/sin; whole
-  rows, each pair's partner swapped in registers (``_norm_rope_interleaved_blocks``).
+* ``INTERLEAVED``: GPT-J's pairs ``(x[2i], x[2i+1])``, rotated by tables with one entry per
+  feature (``x * cos + rotate_half_interleaved(x) * sin``; with ``ROTARY_DIM`` < D the first R
+  features); whole rows, each pair's partner swapped in registers
+  (``_norm_rope_interleaved_blocks``).
 * ``ROPE_FROM_POSITIONS``: cos/sin computed from ``position_ids`` [B, S] and ``inv_freq`` [D/2]
   (Hugging Face's ``cos = (cat(freqs, freqs).cos() * scaling).to(dtype)``) by ``sin_cos``, within
   2 fp32 ulps, instead of read from tables.
@@ -125,26 +127,26 @@ def _store_pair_tiles(ptr, batch, heads, rows, stride_b, stride_h, stride_row, o
 
 
 @triton.jit
-def _pair_swap(x, HEADS: tl.constexpr, TOKENS: tl.constexpr, HALF_BLOCK: tl.constexpr):
-    """``x[..., d ^ 1]`` of a ``[heads, tokens, D]`` row tile: the two features of each interleaved
-    pair exchanged. A lane holds whole 16-byte runs of a row, so the split and join stay in its
-    registers (no shared memory), and a permutation is exact."""
+def _rotate_pairs(x, HEADS: tl.constexpr, TOKENS: tl.constexpr, HALF_BLOCK: tl.constexpr):
+    """``rotate_half_interleaved`` of a ``[heads, tokens, D]`` row tile: each interleaved pair
+    ``(x[2i], x[2i+1])`` becomes ``(-x[2i+1], x[2i])``. A lane holds whole 16-byte runs of a row,
+    so the split and join stay in its registers (no shared memory); exact."""
     even, odd = tl.split(tl.reshape(x, [HEADS, TOKENS, HALF_BLOCK, 2]))
-    return tl.reshape(tl.join(odd, even), [HEADS, TOKENS, 2 * HALF_BLOCK])
+    return tl.reshape(tl.join(-odd, even), [HEADS, TOKENS, 2 * HALF_BLOCK])
 
 
 @triton.jit
 def _norm_rope_interleaved(
-    x, weight_ptr, feats, f_mask, eps, cos, sin_signed,
+    x, weight_ptr, feats, f_mask, eps, cos, sin,
     in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
     TOKENS: tl.constexpr, HALF_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
-    ROPE_FIRST: tl.constexpr,
+    ROPE_FIRST: tl.constexpr, ROTARY_DIM: tl.constexpr,
 ):
     """``_norm_rope`` of interleaved (GPT-J) pairs on whole ``[heads, tokens, D]`` rows (fp32,
-    values of the model dtype): ``cos[..., d]`` holds the table's entry ``d // 2`` and
-    ``sin_signed`` the same entry negated on even features, so
-    ``rope(y) = y * cos + y[d ^ 1] * sin_signed`` (``(y_e c - y_o s, y_o c + y_e s)``, each product
-    rounded, then the sum). Returns the rows rounded to ``dtype`` (held in fp32)."""
+    values of the model dtype): ``cos[..., d]``/``sin[..., d]`` are feature d's table entries (the
+    tables' dtype), ``rope(y) = y * cos + rotate_half_interleaved(y) * sin``, each product
+    rounded, then the sum; with ``ROTARY_DIM < HEAD_DIM`` only the first ``ROTARY_DIM`` features
+    (whole pairs), the others passed through. Returns the rows rounded to ``dtype`` (held in fp32)."""
     if NORM_STYLE != 3:
         # Addressed per row (L1 hits), so the load takes the rows' layout: a [D] load would be
         # converted into it through shared memory.
@@ -158,9 +160,12 @@ def _norm_rope_interleaved(
     else:
         y = _weighted(x * _rstd(x, eps, HEAD_DIM, INTERPRETED)[:, :, None], w, in_dtype, dtype, NORM_STYLE,
                       INTERPRETED)
-    partner = _pair_swap(y, HEADS, TOKENS, HALF_BLOCK)
-    r = round_sum(round_to(y * cos, dtype, INTERPRETED), round_to(partner * sin_signed, dtype, INTERPRETED), dtype,
-                  INTERPRETED)
+    # The tables stay in their dtype until here: half the registers.
+    r = round_sum(round_to(y * cos.to(tl.float32), dtype, INTERPRETED),
+                  round_to(_rotate_pairs(y, HEADS, TOKENS, HALF_BLOCK) * sin.to(tl.float32), dtype, INTERPRETED),
+                  dtype, INTERPRETED)
+    if ROTARY_DIM != HEAD_DIM:
+        r = tl.where((feats < ROTARY_DIM)[None, None, :], r, y)
     if ROPE_FIRST:
         r = _weighted(r * _rstd(r, eps, HEAD_DIM, INTERPRETED)[:, :, None], w, dtype, dtype, NORM_STYLE, INTERPRETED)
     return r
@@ -208,19 +213,20 @@ def _weighted(normed, w, in_dtype: tl.constexpr, dtype: tl.constexpr, NORM_STYLE
               INTERPRETED: tl.constexpr):
     """The fp32 normalized half tile times its weight half, rounded where the model rounds
     (``NORM_STYLES[NORM_STYLE]``, see ``qk_norm_rope_cache_reference``); ``in_dtype``: the input's,
-    ``dtype``: the output's (they differ only for style 0 with an fp32 weight: ``output_dtype``)."""
+    ``dtype``: the output's (they differ under autocast over an fp32 model: ``output_dtype``).
+    Style 0's product promotes to the weight's dtype; the other forms end in the input's."""
     if NORM_STYLE == 0:
         # "weight" (Qwen3RMSNorm): ``weight * n.to(input dtype)``: the row rounded, then the product.
         return round_to(w * round_to(normed, in_dtype, INTERPRETED), dtype, INTERPRETED)
     elif NORM_STYLE == 1:
         # "fp32_weight" (torch.nn.RMSNorm): ``(n * weight).to(dtype)``: fp32 product, one rounding.
-        return round_to(normed * w, dtype, INTERPRETED)
+        return round_to(normed * w, in_dtype, INTERPRETED)
     elif NORM_STYLE == 2:
         # "fp32_one_plus_weight" (Gemma3RMSNorm): ``(n * (1.0 + weight.float())).type_as(x)``.
-        return round_to(normed * (1.0 + w), dtype, INTERPRETED)
+        return round_to(normed * (1.0 + w), in_dtype, INTERPRETED)
     else:
         # "no_weight": ``n.to(dtype)``.
-        return round_to(normed, dtype, INTERPRETED)
+        return round_to(normed, in_dtype, INTERPRETED)
 
 
 @triton.jit
@@ -381,13 +387,14 @@ def _norm_rope_blocks(
     angles' arithmetic, overlaps them), and serve every block (the same tokens)."""
     heads = tl.arange(0, HEADS_PER_PROGRAM)
     if INTERLEAVED:
+        # No launcher computes interleaved cos/sin from positions (the pass reads the model's tables).
+        tl.static_assert(not ROPE_FROM_POSITIONS)
         _norm_rope_interleaved_blocks(
             first_block, x_ptr, weight_ptr, out_ptr, cache_ptr, heads_total, batch, offs_s64, token_mask, positions,
-            position_ok, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_x_b, stride_x_h, stride_x_s,
-            stride_o_b, stride_o_h, stride_o_s, stride_c_b, stride_c_h, stride_c_l, stride_cos_b, stride_cos_s,
-            stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, eps, attention_scaling, dtype, HEAD_DIM, HALF,
-            HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM, ROPE_FROM_POSITIONS, INTERPRETED,
-            NORM_STYLE, ROPE_FIRST, WRITE_CACHE)
+            position_ok, cos_ptr, sin_ptr, stride_x_b, stride_x_h, stride_x_s, stride_o_b, stride_o_h, stride_o_s,
+            stride_c_b, stride_c_h, stride_c_l, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, eps, dtype,
+            HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM, INTERPRETED, NORM_STYLE,
+            ROPE_FIRST, 2 * ROT_HALF, WRITE_CACHE)
     else:
         tiles = ()
         for i in tl.static_range(BLOCKS_PER_PROGRAM):
@@ -422,18 +429,16 @@ def _norm_rope_blocks(
 @triton.jit
 def _norm_rope_interleaved_blocks(
     first_block, x_ptr, weight_ptr, out_ptr, cache_ptr, heads_total, batch, offs_s64, token_mask, positions,
-    position_ok, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_x_b, stride_x_h, stride_x_s,
-    stride_o_b, stride_o_h, stride_o_s, stride_c_b, stride_c_h, stride_c_l, stride_cos_b, stride_cos_s,
-    stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, eps, attention_scaling,
-    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-    ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
-    ROPE_FIRST: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    position_ok, cos_ptr, sin_ptr, stride_x_b, stride_x_h, stride_x_s, stride_o_b, stride_o_h, stride_o_s,
+    stride_c_b, stride_c_h, stride_c_l, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, eps,
+    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, INTERPRETED: tl.constexpr,
+    NORM_STYLE: tl.constexpr, ROPE_FIRST: tl.constexpr, ROTARY_DIM: tl.constexpr, WRITE_CACHE: tl.constexpr,
 ):
     """``_norm_rope_blocks`` for interleaved (GPT-J) pairs ``(x[2i], x[2i+1])``: whole
     ``[heads, tokens, D]`` rows, loaded and stored as contiguous 16-byte runs, each pair's partner
-    taken in registers (``_pair_swap``); cos/sin entry ``i`` serves features ``2i`` and ``2i+1``
-    (the half tables doubled once per program: ``tl.join`` of a tile with itself)."""
+    taken in registers (``_rotate_pairs``); cos/sin ``[B or 1, S, ROTARY_DIM]`` hold one entry per
+    rotated feature, loaded in the rows' layout."""
     heads = tl.arange(0, HEADS_PER_PROGRAM)
     feats = tl.arange(0, 2 * HALF_BLOCK)
     f_mask = feats < HEAD_DIM
@@ -444,23 +449,21 @@ def _norm_rope_interleaved_blocks(
         offs = _tile_offsets(batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, feats)
         rows = rows + (tl.load(x_ptr + offs, mask=ht_mask[:, :, None] & f_mask[None, None, :], other=0.0,
                                eviction_policy="evict_first").to(tl.float32),)
-    # No launcher computes interleaved cos/sin from positions (the pass reads the model's tables).
-    tl.static_assert(not ROPE_FROM_POSITIONS)
-    offs_d = tl.arange(0, HALF_BLOCK)
-    cos, _, sin, _ = _load_cos_sin(
-        cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, (first_block * HEADS_PER_PROGRAM + heads).to(tl.int64),
-        offs_s64, token_mask, offs_d, offs_d < HALF, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
-        stride_pos_b, stride_pos_s, attention_scaling, dtype, 0, False, INTERPRETED,
-    )
-    cos = tl.reshape(tl.join(cos, cos), [HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, 2 * HALF_BLOCK])
-    sin = tl.reshape(tl.join(sin, sin), [HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, 2 * HALF_BLOCK])
-    sin_signed = tl.where((feats % 2 == 0)[None, None, :], -sin, sin)
+    # The tables hold one entry per feature (the model's, already repeated per pair), so they load
+    # per row in the rows' own layout: each head re-reads its token's row (L1 hits), and nothing
+    # is converted through shared memory.
+    table_row = (heads * 0)[:, None, None] + offs_s64[None, :, None]
+    t_mask = (((heads >= 0)[:, None] & token_mask[None, :])[:, :, None]) & (feats < ROTARY_DIM)[None, None, :]
+    cos = tl.load(cos_ptr + batch * stride_cos_b + table_row * stride_cos_s + feats[None, None, :], mask=t_mask,
+                  other=0.0)
+    sin = tl.load(sin_ptr + batch * stride_sin_b + table_row * stride_sin_s + feats[None, None, :], mask=t_mask,
+                  other=0.0)
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         head_ok = offs_h < heads_total
         out = _norm_rope_interleaved(
-            rows[i], weight_ptr, feats, f_mask, eps, cos, sin_signed, x_ptr.dtype.element_ty, dtype, HEAD_DIM,
-            HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, HALF_BLOCK, INTERPRETED, NORM_STYLE, ROPE_FIRST,
+            rows[i], weight_ptr, feats, f_mask, eps, cos, sin, x_ptr.dtype.element_ty, dtype, HEAD_DIM,
+            HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, HALF_BLOCK, INTERPRETED, NORM_STYLE, ROPE_FIRST, ROTARY_DIM,
         ).to(dtype)
         offs = _tile_offsets(batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, feats)
         tl.store(out_ptr + offs, out, mask=(head_ok[:, None] & token_mask[None, :])[:, :, None] & f_mask[None, None, :])
@@ -926,9 +929,8 @@ def qk_norm_rope_cache_triton(
         rotary_dim: features rotated, the first R of D (partial rotary; the ``ROTARY_DIM``
             constexpr); None: all D. R < D must be a multiple of 16 (as must D), see
             ``_feature_offsets``.
-        interleaved: rotate the pairs ``(x[2i], x[2i+1])`` by ``cos[..., i]``, ``sin[..., i]``
-            (GPT-J / GLM ``rotate_half`` on interleaved features; the ``INTERLEAVED`` constexpr);
-            not with a partial ``rotary_dim``.
+        interleaved: rotate the pairs ``(x[2i], x[2i+1])``, cos/sin one entry per feature (GPT-J /
+            GLM ``rotate_half`` on interleaved features; the ``INTERLEAVED`` constexpr).
     """
     if q.numel() == 0 and k.numel() == 0:  # Hq = 0 alone still has k and v to write
         return

@@ -12,15 +12,25 @@ model code                                              canonical form
 ``h * h`` (``torch.mean(h * h, -1)``)                   ``h.pow(2)`` (eager computes ``h * h``)
 ``1 / torch.sqrt(v)``                                   ``torch.rsqrt(v)`` (exact on CPU; see below)
 ``torch.pow(v, -0.5)``                                  ``torch.rsqrt(v)`` (ATen's pow is rsqrt)
-``normed.to(dtype) * weight``                           ``weight * normed.to(dtype)``
+``cos * x``, ``torch.rsqrt(v) * h``, ``weight * n``     the broadcast factor second: ``x * cos``, ...
+``rotate_half(x) * sin + x * cos``                      ``x * cos + rotate_half(x) * sin``
+``x * -1``                                              ``-x``
+``add.Scalar(v, eps)``, ``v.add_(eps)`` (``F.rms_norm``)  ``add.Tensor(v, eps)``
 ``x.chunk(2, -1)``, ``torch.split(x, D // 2, -1)``      ``x[..., :D // 2]``, ``x[..., D // 2:]``
 ``x.unflatten(-1, (2, -1)).unbind(-2)``                 the same two slices
+``x.narrow(-1, 8, 8)``, ``x[..., 8:16]``, ``x[..., -8:]``  ``x[..., 8:]`` (slice ints in one form: dim
+                                                        counted from the front, ends past the size open)
+``torch.cat(.., dim=3)`` of 4-D tensors, ``mean(h, 3)``  dims counted from the end: ``dim=-1``
+``h.sum(-1, keepdim=True) / D`` (D a power of two)       ``h.mean(-1, keepdim=True)`` (the same division)
+``h.mean(-1).unsqueeze(-1)``, ``h.mean(-1)[..., None]``  ``h.mean(-1, keepdim=True)``
 (training) ``rotate_half``'s backward sum, first half   the second half's term first
 first (its slices taken second half first)
 ======================================================  ==========================================
 
 Each rewrite is local and value-preserving, so a graph that then matches nothing computes what
-it did before (the nodes differ, the values do not). One exception, on CUDA only: ``1 / sqrt`` and
+it did before (the nodes differ, the values do not). The patterns are traced through the same
+rewrites (``fusion_pass.matching.trace_as_post_grad``), so the canonical form is whatever the
+rewrites make of the reference spelling, on both sides. One exception, on CUDA only: ``1 / sqrt`` and
 ``rsqrt`` may differ by an fp32 ulp there (``reciprocal_square_roots_as_rsqrt``).
 """
 
@@ -127,22 +137,220 @@ def reciprocal_square_roots_as_rsqrt(graph: torch.fx.Graph) -> int:
     return rewritten
 
 
-def weight_first_products(graph: torch.fx.Graph) -> int:
-    """``mul(normed.to(dtype), weight)`` -> ``mul(weight, normed.to(dtype))`` where ``weight`` is
-    a 1-D graph input (a norm weight) and the other factor a cast to bf16/fp16: a product of two
-    values is the same in either order."""
+
+def _shape(node) -> tuple | None:
+    val = _val(node)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _fold(graph: torch.fx.Graph, node: torch.fx.Node, target, args: tuple, gone: torch.fx.Node) -> None:
+    """``node`` and its only input ``gone`` replaced by one ``target(*args)`` node, which stands for
+    both (``ORIGIN``, where the caller tracks it)."""
+    kept = _replace_with_call(graph, node, target, args)
+    if ORIGIN in gone.meta:
+        kept.meta[ORIGIN] = kept.meta.get(ORIGIN, set()) | gone.meta[ORIGIN]
+    graph.erase_node(gone)
+
+
+def _broadcasts_into(small: tuple, big: tuple) -> bool:
+    """``small`` broadcasts to ``big`` (right-aligned) and is strictly smaller: a table, a weight or
+    a keepdim statistic beside the tensor it scales."""
+    if len(small) > len(big) or small == big:
+        return False
+    return all(isinstance(a, int) and isinstance(b, int) and a in (1, b) for a, b in zip(small[::-1], big[::-1]))
+
+
+def broadcast_factors_second(graph: torch.fx.Graph) -> int:
+    """``mul(a, b)`` where ``a`` broadcasts into ``b`` -> ``mul(b, a)``: ``cos * x``, ``rsqrt(v) * h``,
+    ``weight * n`` read as ``x * cos``, ``h * rsqrt(v)``, ``n * weight``; a product is the same in
+    either order."""
     rewritten = 0
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.mul.Tensor or len(node.args) != 2:
+        if node.op != "call_function" or node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
             continue
-        normed, weight = node.args
-        if not (isinstance(normed, torch.fx.Node) and isinstance(weight, torch.fx.Node)):
+        a, b = node.args
+        if isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node):
+            small, big = _shape(a), _shape(b)
+            if small is not None and big is not None and _broadcasts_into(small, big):
+                node.args = (b, a)
+                rewritten += 1
+    return rewritten
+
+
+_VIEWS = (aten.reshape.default, aten.view.default, aten.unsqueeze.default, aten.clone.default)
+
+
+def _is_rotation_term(node) -> bool:
+    """``rotate_half(x) * t``: a product whose first factor is (a view of) a ``cat`` that starts with
+    a negation (``cat((-x2, x1))``, or interleaved pairs stacked as ``cat`` of unsqueezed halves)."""
+    if not isinstance(node, torch.fx.Node) or node.target is not aten.mul.Tensor or not node.args:
+        return False
+    cat = node.args[0]
+    while isinstance(cat, torch.fx.Node) and cat.target in _VIEWS:
+        cat = cat.args[0]
+    if not isinstance(cat, torch.fx.Node) or cat.target is not aten.cat.default or not cat.args[0]:
+        return False
+    first = cat.args[0][0]
+    while isinstance(first, torch.fx.Node) and first.target is aten.unsqueeze.default:
+        first = first.args[0]
+    return isinstance(first, torch.fx.Node) and first.target is aten.neg.default
+
+
+def rotation_terms_second(graph: torch.fx.Graph) -> int:
+    """``rotate_half(x) * sin + x * cos`` -> ``x * cos + rotate_half(x) * sin``: a sum of two values
+    is the same in either order."""
+    rewritten = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs:
             continue
-        weight_val = _val(weight)
-        if (weight.op == "placeholder" and isinstance(weight_val, torch.Tensor) and weight_val.dim() == 1
-                and normed.target is prims.convert_element_type.default and normed.args[1] in _LOW_PRECISION):
-            node.args = (weight, normed)
+        a, b = node.args
+        if _is_rotation_term(a) and not _is_rotation_term(b) and isinstance(b, torch.fx.Node):
+            node.args = (b, a)
             rewritten += 1
+    return rewritten
+
+
+def negative_units_as_neg(graph: torch.fx.Graph) -> int:
+    """``x * -1`` -> ``-x``: the same value (a sign flip is exact)."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is aten.mul.Tensor and len(node.args) == 2 and not node.kwargs
+                and isinstance(node.args[0], torch.fx.Node) and not isinstance(node.args[1], torch.fx.Node)
+                and node.args[1] == -1 and _val(node) is not None and _val(node).dtype == _val(node.args[0]).dtype):
+            _replace_with_call(graph, node, aten.neg.default, (node.args[0],))
+            rewritten += 1
+    return rewritten
+
+
+def _slice_ints(shape: tuple, dim, start, end, step) -> tuple | None:
+    """(dim, start, end, *step) in one form for a tensor of ``shape``, or None when not all ints."""
+    if not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
+        return None
+    dim %= len(shape)
+    size = shape[dim]
+    start = 0 if start is None else start
+    end = sys.maxsize if end is None else end
+    if not (isinstance(size, int) and isinstance(start, int) and isinstance(end, int)):
+        return None
+    if start < 0:
+        start = max(start + size, 0)
+    if end < 0:
+        end = max(end + size, 0)
+    if end >= size:
+        end = sys.maxsize
+    return (dim, start, end) + (() if step == 1 else (step,))
+
+
+def slices_in_one_form(graph: torch.fx.Graph) -> int:
+    """``aten.slice(x, dim, start, end, step)`` (and ``slice_scatter``, the write into such a slice)
+    with its ints in one form: ``dim`` counted from the front, a negative ``start``/``end`` counted
+    from the size, an ``end`` at or past the size open (``sys.maxsize``, as ``x[..., a:]`` traces),
+    a missing ``start`` 0, a step of 1 left out: the same elements."""
+    rewritten = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.kwargs:
+            continue
+        if node.target is aten.slice.Tensor:
+            head, ints = node.args[:1], list(node.args[1:])
+        elif node.target is aten.slice_scatter.default:
+            head, ints = node.args[:2], list(node.args[2:])
+        else:
+            continue
+        shape = _shape(node.args[0])
+        if shape is None:
+            continue
+        dim, start, end, step = (ints + [0, None, sys.maxsize, 1][len(ints):])[:4]
+        canonical = _slice_ints(shape, dim, start, end, step)
+        if canonical is not None and head + canonical != tuple(node.args):
+            node.args = head + canonical
+            rewritten += 1
+    return rewritten
+
+
+def dims_from_the_end(graph: torch.fx.Graph) -> int:
+    """``cat(tensors, dim)``, ``mean(x, dims)`` and ``sum(x, dims)`` with their dims counted from the
+    end (``dim=3`` of a 4-D tensor -> ``-1``): the same op."""
+    rewritten = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.kwargs:
+            continue
+        if node.target is aten.cat.default and len(node.args) == 2 and isinstance(node.args[1], int):
+            shape = _shape(node)
+            if shape is not None and node.args[1] >= 0:
+                node.args = (node.args[0], node.args[1] - len(shape))
+                rewritten += 1
+        elif node.target in (aten.mean.dim, aten.sum.dim_IntList) and len(node.args) >= 2:
+            shape, dims = _shape(node.args[0]), node.args[1]
+            if shape is None or not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+                continue
+            ends = [d - len(shape) if d >= 0 else d for d in dims]
+            if ends != list(dims):
+                node.args = (node.args[0], ends, *node.args[2:])
+                rewritten += 1
+    return rewritten
+
+
+def _is_power_of_two(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def sums_over_size_as_means(graph: torch.fx.Graph) -> int:
+    """``x.sum(-1, keepdim=True) / D`` (D = x's last size, a power of two) -> ``x.mean(-1,
+    keepdim=True)``: torch's mean is that sum divided by D, and dividing by a power of two is exact
+    either way (``/ D`` or ``* (1 / D)``)."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if (node.op != "call_function" or node.target is not aten.div.Tensor or len(node.args) != 2 or node.kwargs
+                or not isinstance(node.args[0], torch.fx.Node)):
+            continue
+        total, size = node.args
+        if total.target is not aten.sum.dim_IntList or len(total.users) != 1 or total.kwargs:
+            continue
+        shape = _shape(total.args[0])
+        dims, keepdim = total.args[1], (total.args[2] if len(total.args) > 2 else False)
+        if (shape is None or list(dims) != [-1] or not _is_power_of_two(shape[-1]) or isinstance(size, torch.fx.Node)
+                or size != shape[-1] or len(total.args) > 3):
+            continue
+        _fold(graph, node, aten.mean.dim, (total.args[0], [-1], keepdim), total)
+        rewritten += 1
+    return rewritten
+
+
+def unsqueezed_means_as_keepdim(graph: torch.fx.Graph) -> int:
+    """``x.mean(-1).unsqueeze(-1)`` (or ``[..., None]``) -> ``x.mean(-1, keepdim=True)``: the same
+    values, the reduced dim kept in place."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.unsqueeze.default or node.kwargs:
+            continue
+        mean, dim = node.args
+        if (not isinstance(mean, torch.fx.Node) or mean.target is not aten.mean.dim or len(mean.users) != 1
+                or mean.kwargs or len(mean.args) not in (2, 3) or (len(mean.args) == 3 and mean.args[2])
+                or list(mean.args[1]) != [-1]):
+            continue
+        out = _shape(node)
+        if out is None or dim % len(out) != len(out) - 1:
+            continue
+        _fold(graph, node, aten.mean.dim, (mean.args[0], [-1], True), mean)
+        rewritten += 1
+    return rewritten
+
+
+def scalar_adds_as_tensor_adds(graph: torch.fx.Graph) -> int:
+    """``add.Scalar(x, s)``, or ``add_(x, s)`` on an intermediate only this add reads (``F.rms_norm``'s
+    decomposition adds its eps so) -> ``add.Tensor(x, s)``: the same sum."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or len(node.args) != 2 or node.kwargs or isinstance(node.args[1], torch.fx.Node):
+            continue
+        x = node.args[0]
+        in_place = node.target in (aten.add_.Scalar, aten.add_.Tensor)
+        if node.target is not aten.add.Scalar and not (
+                in_place and isinstance(x, torch.fx.Node) and x.op == "call_function" and len(x.users) == 1
+                and x.target not in _VIEWS):
+            continue
+        _replace_with_call(graph, node, aten.add.Tensor, tuple(node.args))
+        rewritten += 1
     return rewritten
 
 
@@ -242,5 +450,7 @@ def scatter_sums_second_half_first(graph: torch.fx.Graph) -> int:
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Apply every rewrite above to ``graph``; returns how many nodes were rewritten."""
     return (merge_duplicate_casts(graph) + square_products_as_pow(graph) + reciprocal_square_roots_as_rsqrt(graph)
-            + inverse_square_root_powers_as_rsqrt(graph) + weight_first_products(graph)
-            + half_splits_as_slices(graph) + half_unbinds_as_slices(graph))
+            + inverse_square_root_powers_as_rsqrt(graph) + negative_units_as_neg(graph) + scalar_adds_as_tensor_adds(graph)
+            + half_splits_as_slices(graph) + half_unbinds_as_slices(graph) + slices_in_one_form(graph)
+            + dims_from_the_end(graph) + sums_over_size_as_means(graph) + unsqueezed_means_as_keepdim(graph)
+            + broadcast_factors_second(graph) + rotation_terms_second(graph))

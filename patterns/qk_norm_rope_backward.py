@@ -59,6 +59,7 @@ from fusion_pass.kernels.qkv_rope_qk_norm_backward_triton import NORM_STYLES
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rope_reference
 from fusion_pass.kernels.triton_device import kernels_in_graph
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
+from fusion_pass.matching import trace_canonical
 from fusion_pass.patterns.canonical_forms import ORIGIN, canonicalize
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
 
@@ -185,6 +186,15 @@ def _record(variant: Variant) -> Callable:
     return handler
 
 
+def _weight_fits(match: Match, form: NormForm) -> bool:
+    """A weight read through a cast (``weight.float()``) is the weight of a form that casts it:
+    canonicalized, ``x * rsqrt(.) * weight.float()`` also reads as ``nn.RMSNorm``'s ``x * rsqrt(.) *
+    weight`` with the cast bound as its weight, whose variant would then refuse the mixed dtypes."""
+    weight = match.kwargs.get("weight")
+    return form.casts_weight or not (isinstance(weight, torch.fx.Node)
+                                     and weight.target is torch.ops.prims.convert_element_type.default)
+
+
 def register(pass_dict: PatternMatcherPass) -> None:
     """One pattern per variant (traced, or loaded from ``pattern_cache``); a match is recorded for
     ``apply``, the graph matched (a forward copy) is not changed."""
@@ -193,11 +203,12 @@ def register(pass_dict: PatternMatcherPass) -> None:
         example = _example_inputs(variant)
         scalars = {"eps": _EPS_EXAMPLE}
         pattern = traced_pattern(f"qk_norm_rope_backward_{variant.name}",
-                                 functools.partial(gen_pattern, search, example, fwd_only, scalars),
+                                 functools.partial(gen_pattern, search, example, trace_canonical, scalars),
                                  inputs_signature(example))
         register_graph_pattern(
             pattern, pass_dict=pass_dict,
-            extra_check=retraced_check(search, fwd_only, scalars, (), lambda match: True),
+            extra_check=retraced_check(search, trace_canonical, scalars, (),
+                                       functools.partial(_weight_fits, form=NORM_FORMS[variant.norm])),
         )(_record(variant))
 
 

@@ -73,10 +73,10 @@ from fusion_pass.kernels.qk_norm_rope_cache_triton import cache_kernel_call
 from fusion_pass.kernels.triton_device import kernels_in_graph
 # The Hugging Face building blocks, op for op: traced, they are the model's graph.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (
-    interleaved_rope_tables,
+    interleaved_rope_reference,
+    partial_interleaved_rope_reference,
     partial_rope_reference,
     rope_reference,
-    rotate_half_interleaved,
 )
 from fusion_pass.matching import EPS_EXAMPLE, apply_first_to_last, match_value, trace_as_post_grad
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
@@ -88,7 +88,7 @@ from fusion_pass.patterns.cache_write_forms import (
 )
 from fusion_pass.patterns.canonical_forms import canonicalize
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
-from fusion_pass.patterns.qk_norm_rope_cache_near_misses import REFUSED, near_miss_pass
+from fusion_pass.patterns.qk_norm_rope_cache_near_misses import REFUSED, near_miss_pass, report_unmatched_prologues
 from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
 
 FAMILY = Family("qk_norm_rope_cache", "per-head RMSNorm(q, k) -> RoPE -> K/V cache write, one Triton kernel",
@@ -134,10 +134,15 @@ class Variant:
         (``partial_rope_reference``).
     interleaved:
         GPT-J style pairs ``(x[2i], x[2i+1])`` (GLM's ``apply_rotary_pos_emb``, all features
-        rotated, ``_interleaved_rope``).
+        rotated, ``interleaved_rope_reference``); the pattern starts at the tables that multiply
+        q and k, one entry per feature, however the model built them.
     rope_before_transpose:
         layout ``"bshd"`` with RoPE applied before the transpose, on ``[B, S, H, D]`` with
         ``cos.unsqueeze(2)`` (Gemma3n's and Gemma4's ``apply_rotary_pos_emb(..., unsqueeze_dim=2)``).
+    autocast:
+        a bf16/fp16 ``torch.autocast`` region over an fp32 model: half-precision q/k/v, fp32
+        weights and tables; registered for the forms whose graph then differs (their
+        ``weight.float()`` is no node: ``NormForm.casts_weight``).
     """
 
     layout: str
@@ -148,6 +153,7 @@ class Variant:
     partial_rope: bool = False
     interleaved: bool = False
     rope_before_transpose: bool = False
+    autocast: bool = False
 
     @property
     def paged(self) -> bool:
@@ -160,56 +166,66 @@ class Variant:
 
 _GEOMETRIES = (("bshd", "dense"), ("bhsd", "dense"), ("bshd", "paged"), ("bshd", "flat"),
                ("tokens", "paged"), ("tokens", "flat"))
-# Every norm form with every layout and cache write: one registration each (two for a norm
-# whose graph differs for strided inputs); then RoPE before the norm: HunYuan's norm (the
-# Qwen3 form) on the layouts where RoPE can run first, every other form with a dense cache;
-# then partial rotary with every norm form before the transpose, with a StaticCache or Hugging
-# Face's continuous-batching paged / flat caches (GLM-4.5's Glm4MoeAttention, Qwen3-Next's and
-# Qwen3.5's (1 + weight) norm); interleaved pairs (GLM's RoPE) in the same place with a dense
-# cache; then RoPE before the transpose with every norm form (Gemma3n, Gemma4).
-VARIANTS = tuple(
-    Variant(layout, cache, norm, strided)
-    for norm, form in NORM_FORMS.items()
-    for layout, cache in _GEOMETRIES
-    for strided in ((False, True) if form.copies_strided_input and layout == "bhsd" else (False,))
-) + tuple(Variant(layout, cache, "qwen3", rope_first=True)
-          for layout, cache in _GEOMETRIES if layout != "bshd") + tuple(
-    Variant("bhsd", "dense", norm, strided, rope_first=True)
-    for norm, form in NORM_FORMS.items() if norm != "qwen3"
-    for strided in ((False, True) if form.copies_strided_input else (False,))) + tuple(
-    Variant("bshd", cache, norm, partial_rope=True) for norm in NORM_FORMS for cache in ("dense", "paged", "flat")
-) + tuple(
-    Variant("bshd", "dense", norm, interleaved=True) for norm in NORM_FORMS
-) + tuple(Variant("bshd", "dense", norm, rope_before_transpose=True) for norm in NORM_FORMS)
+_ALL_NORMS = tuple(NORM_FORMS)
+_AUTOCAST_NORMS = tuple(name for name, form in NORM_FORMS.items() if form.casts_weight)
+
+
+def _rows(norms, geometries, **choices) -> tuple:
+    """One variant per norm form and geometry with the given choices (``Variant``'s fields), two
+    for a norm whose graph differs when it reads the transposed view of ``[B, S, H, D]`` (on
+    ``[B, H, S, D]``; not after a partial RoPE, whose ``cat`` gives the norm a contiguous tensor)."""
+    views = "bhsd" if not (choices.get("rope_first") and choices.get("partial_rope")) else None
+    return tuple(Variant(layout, cache, norm, strided, **choices)
+                 for norm in norms for layout, cache in geometries
+                 for strided in ((False, True) if NORM_FORMS[norm].copies_strided_input and layout == views
+                                 else (False,)))
+
+
+# The combinations registered: each row a set of choices, with the norms and geometries it
+# covers (``docs/fusions.md`` has the table; ``tests/test_readme_coverage.py`` keeps it equal).
+VARIANTS = (
+    _rows(_ALL_NORMS, _GEOMETRIES)  # Qwen3, Gemma3, ...: norm -> rotate_half RoPE -> cache
+    + _rows(("qwen3",), [g for g in _GEOMETRIES if g[0] != "bshd"], rope_first=True)  # HunYuan
+    + _rows(_ALL_NORMS[1:], [("bhsd", "dense")], rope_first=True)
+    + _rows(_ALL_NORMS, [("bshd", "dense"), ("bshd", "paged"), ("bshd", "flat")], partial_rope=True)  # GLM-4.5, Qwen3.5
+    + _rows(_ALL_NORMS, [("bshd", "dense")], interleaved=True)  # GLM's RoPE
+    + _rows(_ALL_NORMS, [("bshd", "dense")], rope_before_transpose=True)  # Gemma3n, Gemma4
+    + _rows(_ALL_NORMS, [("bshd", "dense")], partial_rope=True, interleaved=True)  # GLM's partial RoPE
+    + _rows(_ALL_NORMS, [("bhsd", "dense")], rope_first=True, partial_rope=True)
+    + _rows(_ALL_NORMS, [("bhsd", "dense")], rope_first=True, interleaved=True)
+    # Autocast over an fp32 model, the forms that cast their weight: Gemma3's and Qwen3-Next's
+    # (after or before the transpose; partial rotary), Gemma3n's (RoPE before the transpose).
+    + _rows(_AUTOCAST_NORMS, [("bshd", "dense"), ("bhsd", "dense")], autocast=True)
+    + _rows(("gemma3",), [("bshd", "dense")], partial_rope=True, autocast=True)
+    + _rows(("gemma3n",), [("bshd", "dense")], rope_before_transpose=True, autocast=True)
+)
 
 
 # --- the model code, as functions --------------------------------------------------------
 
-def _interleaved_rope(q, k, cos, sin):
-    """GLM's ``apply_rotary_pos_emb`` with all features rotated: the interleaved tables are made
-    once and multiply both q and k, as in the model's graph (one table per tensor would be
-    another graph)."""
-    cos, sin = interleaved_rope_tables(cos, sin)
-    return (q * cos) + (rotate_half_interleaved(q) * sin), (k * cos) + (rotate_half_interleaved(k) * sin)
-
-
 def _norm_rope(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, norm_before_transpose,
-               rope=rope_reference, interleaved=False, rope_before_transpose=False):
+               rope=rope_reference, rope_before_transpose=False):
     q = norm.fn(q, q_weight, q_eps)
     k = norm.fn(k, k_weight, k_eps)
     if rope_before_transpose:
         return rope(q, cos, sin).transpose(1, 2), rope(k, cos, sin).transpose(1, 2)
     if norm_before_transpose:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    if interleaved:
-        return _interleaved_rope(q, k, cos, sin)
     return rope(q, cos, sin), rope(k, cos, sin)
 
 
-def _rope_norm(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps):
+def _rope_norm(norm: NormForm, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, rope=rope_reference):
     """HunYuan's order: ``apply_rotary_pos_emb``, then the norm of the rotated q and k."""
-    return (norm.fn(rope_reference(q, cos, sin), q_weight, q_eps),
-            norm.fn(rope_reference(k, cos, sin), k_weight, k_eps))
+    return (norm.fn(rope(q, cos, sin), q_weight, q_eps),
+            norm.fn(rope(k, cos, sin), k_weight, k_eps))
+
+
+def _rope(variant: Variant):
+    """The variant's RoPE of one tensor: ``rotate_half`` or interleaved pairs, on all features or
+    on the first ``rotary_dim`` (partial)."""
+    if variant.partial_rope:
+        return partial_interleaved_rope_reference if variant.interleaved else partial_rope_reference
+    return interleaved_rope_reference if variant.interleaved else rope_reference
 
 
 def _cache_write(variant: Variant, cache, position, rows):
@@ -231,12 +247,11 @@ def _cache_write(variant: Variant, cache, position, rows):
 def _search(variant: Variant):
     def search(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps):
         if variant.rope_first:
-            q_rot, k_rot = _rope_norm(variant.norm_form, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps)
+            q_rot, k_rot = _rope_norm(variant.norm_form, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps,
+                                      _rope(variant))
         else:
             q_rot, k_rot = _norm_rope(variant.norm_form, q, k, q_weight, k_weight, cos, sin, q_eps, k_eps,
-                                      variant.layout == "bshd",
-                                      partial_rope_reference if variant.partial_rope else rope_reference,
-                                      variant.interleaved, variant.rope_before_transpose)
+                                      variant.layout == "bshd", _rope(variant), variant.rope_before_transpose)
         k_cache = _cache_write(variant, k_cache, cache_position, k_rot)
         v_cache = _cache_write(variant, v_cache, cache_position, v)
         return q_rot, k_rot, k_cache, v_cache
@@ -329,7 +344,7 @@ def _kernel_in_graph(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_
     """CUDA: the Triton kernel itself as a node of the graph (``TritonCall.in_graph``), so that
     Inductor's wrapper launches it and re-inplaces the caches; every launch parameter (tile,
     grid, strides) is fixed here, at trace time, from the matched values."""
-    dtype = output_dtype(q, q_weight, variant.norm_form.style)
+    dtype = output_dtype(q, q_weight, cos, variant.norm_form.style)
     q_out, k_out = torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
     if statically_known_true(q.numel() == 0) and statically_known_true(k.numel() == 0):
         return q_out, k_out, k_cache, v_cache
@@ -447,8 +462,11 @@ def _example_inputs(variant: Variant):
         batch = 1  # tokens flattened into one batch row
     dtype = torch.bfloat16
 
-    def t(*shape):
+    def t(*shape, dtype=dtype):
         return torch.empty(shape, dtype=dtype)
+
+    # Autocast: fp32 weights, tables and k cache (RoPE promotes), the v cache as v (bf16).
+    f32 = torch.float32 if variant.autocast else dtype
 
     def normed(*shape):
         """q or k as the norm sees it: contiguous, or (``variant.strided``) the transposed view
@@ -468,13 +486,13 @@ def _example_inputs(variant: Variant):
         v = t(batch, kv_heads, seq, head_dim)
         rotary_dim = head_dim // 2 if variant.partial_rope else head_dim
         table = (batch, seq, 1, rotary_dim) if variant.rope_before_transpose else (batch, 1, seq, rotary_dim)
-        cos, sin = t(*table), t(*table)
+        cos, sin = t(*table, dtype=f32), t(*table, dtype=f32)
     cache_shape = {"dense": (batch, kv_heads, length, head_dim), "paged": (3, length // 3, kv_heads, head_dim),
                    "flat": (length, kv_heads, head_dim)}[variant.cache]
     # Distinct example tensors for every argument: shared ones would merge in the pattern.
     # The epsilons are not listed: they come from scalar_workaround.
-    weights = [t(head_dim), t(head_dim)] if variant.norm_form.weighted else []
-    return [q, k, v, *weights, cos, sin, t(*cache_shape), t(*cache_shape), torch.arange(seq)]
+    weights = [t(head_dim, dtype=f32), t(head_dim, dtype=f32)] if variant.norm_form.weighted else []
+    return [q, k, v, *weights, cos, sin, t(*cache_shape, dtype=f32), t(*cache_shape), torch.arange(seq)]
 
 
 _SCALARS = {"q_eps": _Q_EPS_EXAMPLE, "k_eps": _K_EPS_EXAMPLE}
@@ -489,23 +507,38 @@ def variant_name(variant: Variant) -> str:
 def register(pass_dict) -> None:
     """Register every variant of this fusion into ``pass_dict`` (a ``PatternMatcherPass``): its
     pattern loaded from ``pattern_cache`` (traced in the first process), and checked at match time
-    by the re-trace with the graph's shapes (``retraced_check``), then by ``_check``."""
+    by the re-trace with the graph's shapes (``retraced_check``), then by ``_check``.
+
+    Variants whose canonical patterns coincide (AFMoE's norm and ``nn.RMSNorm``'s, say) compute the
+    same values and share one registration; the match is theirs if the re-trace of any of them
+    fits the graph's strides (one form copies a strided input, the other does not)."""
+    groups: dict[str, tuple] = {}
     for variant in VARIANTS:
-        search, example_inputs = _search(variant), _example_inputs(variant)
+        example_inputs = _example_inputs(variant)
+        pattern = traced_pattern(
+            f"qk_norm_rope_cache_{variant_name(variant)}",
+            functools.partial(gen_pattern, _search(variant), example_inputs, trace_as_post_grad, _SCALARS,
+                              _EXCLUSIVE),
+            inputs_signature(example_inputs))
+        groups.setdefault(repr(pattern), (pattern, []))[1].append(variant)
+    for pattern, variants in groups.values():
+        first = variants[0]
+        for other in variants[1:]:  # one replacement serves them all
+            assert (other.norm_form.style, dataclasses.replace(other, norm=first.norm, strided=first.strided,
+                                                                    autocast=first.autocast)) == (
+                first.norm_form.style, first), (first, other)
+        checks = [retraced_check(_search(v), trace_as_post_grad, _SCALARS, _EXCLUSIVE,
+                                 functools.partial(_check, variant=v)) for v in variants]
         register_replacement(
-            search,
-            _replace(variant),
-            example_inputs,
+            _search(first),
+            _replace(first),
+            _example_inputs(first),
             trace_as_post_grad,
             pass_dict,
-            extra_check=retraced_check(search, trace_as_post_grad, _SCALARS, _EXCLUSIVE,
-                                       functools.partial(_check, variant=variant)),
+            extra_check=lambda match, checks=checks: any(check(match) for check in checks),
             scalar_workaround=_SCALARS,
             exclusive_arg_names=_EXCLUSIVE,
-            search_fn_pattern=traced_pattern(
-                f"qk_norm_rope_cache_{variant_name(variant)}",
-                functools.partial(gen_pattern, search, example_inputs, trace_as_post_grad, _SCALARS, _EXCLUSIVE),
-                inputs_signature(example_inputs)),
+            search_fn_pattern=pattern,
         )
 
 
@@ -530,4 +563,5 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
         compute_tables_in_kernels(graph)
     restore_unfused_slice_writes(graph, rewrites)
     near_miss_pass(FAMILY.name).apply(graph)
+    report_unmatched_prologues(graph, FAMILY.name)
     return count

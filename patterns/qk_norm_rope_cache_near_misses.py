@@ -1,6 +1,8 @@
 """Near-misses of the forward family: a per-head norm -> RoPE (or RoPE -> norm) that no fusion
 consumed, reported with the reason it was left (no matching cache write, an fp32 model, a norm over
-the whole projection width). These patterns only report; the graph is not changed.
+the whole projection width). These patterns only report; the graph is not changed. Whatever per-head
+norm beside a RoPE is left after them (a combination not registered, a spelling not recognized) is
+reported by ``report_unmatched_prologues`` with the structure it has.
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ import functools
 import itertools
 
 import torch
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, gen_pattern, register_graph_pattern
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, gen_pattern, register_graph_pattern
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rms_norm_reference, rope_reference
-from fusion_pass.matching import EPS_EXAMPLE, match_value, trace_as_post_grad
+from fusion_pass.matching import EPS_EXAMPLE, is_new_pattern, match_value, trace_as_post_grad, trace_canonical
 from fusion_pass.pattern_cache import inputs_signature, traced_pattern
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
 
@@ -28,8 +30,96 @@ _PARTIAL_NO_CACHE_WRITE = ("per-head RMSNorm -> partial RoPE without a matching 
 _FULL_WIDTH_NORM = ("RMSNorm over the whole projection width, then heads -> RoPE (e.g. OLMo2): not a per-head norm, "
                     "which the kernel computes (left unfused; under head-sharded tensor parallelism its variance "
                     "would need an all-reduce)")
+_UNMATCHED = ("per-head RMSNorm {order} left unfused: no registered combination of the fusion matches this "
+              "computation as written (docs/fusions.md lists the combinations and spellings)")
 #: Node meta key: the whole fusion matched here and was refused, with a reason already reported.
 REFUSED = "fusion_pass_qk_norm_rope_cache_refused"
+
+aten = torch.ops.aten
+#: What a RoPE has that a norm does not: the sign flip of ``rotate_half`` (``neg``, or a
+#: subtraction), or a rotation spelled as a roll or a permuting index.
+_ROTATIONS = (aten.neg.default, aten.sub.Tensor, aten.roll.default, aten.index.Tensor)
+#: A search for the RoPE beside a norm stops at these: past them lies other work.
+_BARRIERS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.rsqrt.default, aten.sqrt.default,
+             aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+             aten._scaled_dot_product_cudnn_attention.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def _near(start: torch.fx.Node, forward: bool, depth: int) -> list[torch.fx.Node]:
+    """Nodes within ``depth`` steps of ``start`` along users (``forward``) or arguments, not past
+    ``_BARRIERS``."""
+    seen, frontier = {start}, [start]
+    for _ in range(depth):
+        step = []
+        for node in frontier:
+            nxt = node.users if forward else node.all_input_nodes
+            for n in nxt:
+                if n not in seen and n.op == "call_function":
+                    seen.add(n)
+                    if n.target not in _BARRIERS:
+                        step.append(n)
+        frontier = step
+    return [n for n in seen if n is not start]
+
+
+def _per_head_statistic_input(stat: torch.fx.Node) -> torch.fx.Node | None:
+    """``x`` where ``stat`` is ``rsqrt`` (or ``sqrt``) of ``mean(x ** 2, -1) + eps`` over a head
+    axis: x has 4 dims, or 3 from a view that split its last dim into heads; else None."""
+    add = stat.args[0] if stat.args else None
+    if not isinstance(add, torch.fx.Node) or add.target is not aten.add.Tensor:
+        return None
+    mean = add.args[0]
+    if not isinstance(mean, torch.fx.Node) or mean.target is not aten.mean.dim or list(mean.args[1]) != [-1]:
+        return None
+    square = mean.args[0]
+    if not isinstance(square, torch.fx.Node) or square.target is not aten.pow.Tensor_Scalar:
+        return None
+    x = square.args[0]
+    while isinstance(x, torch.fx.Node) and x.target is torch.ops.prims.convert_element_type.default:
+        x = x.args[0]
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() not in (3, 4):
+        return None
+    if val.dim() == 3:
+        view = x
+        while view.op == "call_function" and view.target is torch.ops.prims.convert_element_type.default:
+            view = view.args[0]
+        source = view.args[0].meta.get("val") if view.op == "call_function" and view.args and isinstance(
+            view.args[0], torch.fx.Node) else None
+        if view.target not in (aten.reshape.default, aten.view.default) or not isinstance(source, torch.Tensor) \
+                or source.shape[-1] == val.shape[-1]:
+            return None
+    return x
+
+
+def report_unmatched_prologues(graph: torch.fx.Graph, family: str) -> int:
+    """Report, under ``family``, each per-head RMSNorm statistic still in ``graph`` with a RoPE
+    just after its norm or just before it, that no fusion took and no near-miss pattern reported,
+    with the order found (norm -> RoPE, or RoPE -> norm). Inference graphs only: a training
+    graph's forward keeps its norms by design (the training families report theirs), and where
+    Inductor does not say which graph it is, nothing is reported. Returns the number reported."""
+    from fusion_pass.passes import graph_is_inference  # passes imports the families, which import this
+
+    if not graph_is_inference():
+        return 0
+    outputs = {n for out in graph.find_nodes(op="output") for n in out.all_input_nodes}
+    reported = 0
+    for stat in [*graph.find_nodes(op="call_function", target=aten.rsqrt.default),
+                 *graph.find_nodes(op="call_function", target=aten.sqrt.default)]:
+        x = _per_head_statistic_input(stat)
+        if x is None or stat.meta.get(REFUSED) or stat in outputs or stat.args[0] in outputs:
+            continue
+        after, before = _near(stat, True, 14), _near(x, False, 8)
+        rope_after = [n for n in after if n.target in _ROTATIONS]
+        rope_before = [n for n in before if n.target in _ROTATIONS]
+        if not (rope_after or rope_before):
+            continue
+        order = "-> RoPE" if rope_after else "after a RoPE"
+        match_report.record_near_miss(family, _UNMATCHED.format(order=order))
+        stat.meta[REFUSED] = True
+        reported += 1
+    return reported
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,12 +137,14 @@ def near_miss_pass(family: str) -> PatternMatcherPass:
 
         return report_only
 
-    def register(name: str, search, example: list, reason: str, trace=fwd_only, allowed=None) -> None:
+    def register(name: str, search, example: list, reason: str, trace=trace_canonical, allowed=None) -> None:
         """Trace ``search`` on ``example`` (or load it from the pattern cache) and report ``reason``
         wherever it matches a graph of an enabled device."""
         pattern = traced_pattern(f"qk_norm_rope_cache_near_miss_{name}",
                                  functools.partial(gen_pattern, search, example, trace, {"eps": EPS_EXAMPLE}),
                                  inputs_signature(example))
+        if not is_new_pattern(near_misses, pattern):
+            return
         register_graph_pattern(
             pattern, pass_dict=near_misses,
             extra_check=allowed or (lambda match: fusion_config.device_allowed(match_value(match, "x").device)),

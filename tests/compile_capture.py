@@ -51,6 +51,17 @@ def assert_left_unfused(model, inputs: list):
     return capture
 
 
+def fused_once_and_bit_exact(model, inputs: list) -> str:
+    """Compiled with the pass: one fusion, q and both caches (inputs 3 and 4) bit-identical to
+    eager's. Returns the fused op's call line."""
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+    return fused_call(capture.after[0])
+
+
 def fused_call(graph_text: str) -> str:
     """The one fused-op call line of a normalized graph text (asserts there is exactly one)."""
     calls = [line for line in graph_text.splitlines() if "fusion_pass.qk_norm_rope" in line]

@@ -49,14 +49,14 @@ LAYOUTS = ("tokens", "hf_batch1")
 PAGED_WRITES = ("index_put", "index_copy", "flat")
 NORMS = ("qwen3", "gemma3", "torch_rms_norm", "torch_rms_norm_no_weight", "gemma3n", "afmoe", "pow_no_weight")
 NORM_LOOK_ALIKES = (
-    "gemma_two_plus_weight",      # Gemma3RMSNorm with ``2.0 + weight``: another constant
     "torch_rms_norm_heads_and_dim",  # nn.RMSNorm((H, D)): one statistic over all heads of a token
     "no_weight_times_scale",     # a weight-free norm whose output is scaled before RoPE
 )
 
 
 class GemmaTwoPlusWeight(Gemma3RMSNorm):
-    """Gemma3RMSNorm with the weight offset by 2 instead of 1: same graph but for one constant."""
+    """Gemma3RMSNorm with the weight offset by 2 instead of 1: not Gemma3's form, but ``nn.RMSNorm``'s
+    ``(n * w).to(dtype)`` with the computed ``w = 2 + weight``."""
 
     def forward(self, x):
         output = self._norm(x.float())
@@ -242,21 +242,23 @@ class DensePrologue(nn.Module):
         norm: one of NORMS or NORM_LOOK_ALIKES (``make_norm``).
         norm_after_transpose: norm the ``[B, H, S, D]`` views (Gemma3, NeoMME) instead of
             ``[B, S, H, D]`` before the transpose (Qwen3).
-        rope_first: RoPE on the ``[B, H, S, D]`` views, then the norm (HunYuan).
+        rope_first: RoPE on the ``[B, H, S, D]`` views, then the norm (HunYuan), by ``rope``: an
+            ``apply_rotary_pos_emb`` (default Qwen3's; GLM-4.5's partial or GLM's interleaved one).
     Forward(hidden_states [B, S, hidden], cos/sin ([B or 1, S, D], or [S, D] for the shared
     forms), k_cache/v_cache [B, Hkv, L, D], cache_position [S]) returns (q_rotated, a sum that
     reads the updated caches).
     """
 
     def __init__(self, hidden=64, q_heads=4, kv_heads=2, head_dim=16, fused_qkv=False, cos_form="batch_unsqueeze",
-                 norm="qwen3", norm_after_transpose=False, q_eps=1e-6, k_eps=1e-6, rope_first=False):
+                 norm="qwen3", norm_after_transpose=False, q_eps=1e-6, k_eps=1e-6, rope_first=False,
+                 rope=apply_rotary_pos_emb):
         super().__init__()
         if cos_form not in COS_FORMS:
             raise ValueError(f"cos_form: expected one of {COS_FORMS}, got {cos_form!r}")
         if rope_first and cos_form != "batch_unsqueeze":
             raise ValueError(f"rope_first: supported with cos_form 'batch_unsqueeze', got {cos_form!r}")
         self.head_dim, self.cos_form, self.norm_after_transpose = head_dim, cos_form, norm_after_transpose
-        self.rope_first = rope_first
+        self.rope_first, self.rope = rope_first, rope
         self.proj = QKVProjection(hidden, q_heads, kv_heads, head_dim, fused_qkv)
         self.q_norm = make_norm(norm, q_heads, head_dim, q_eps)
         self.k_norm = make_norm(norm, kv_heads, head_dim, k_eps)
@@ -266,8 +268,7 @@ class DensePrologue(nn.Module):
         head_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         if self.rope_first:
             # HunYuanDenseV1Attention: transpose, RoPE, then query_layernorm / key_layernorm.
-            q, k = apply_rotary_pos_emb(q.view(head_shape).transpose(1, 2), k.view(head_shape).transpose(1, 2),
-                                        cos, sin)
+            q, k = self.rope(q.view(head_shape).transpose(1, 2), k.view(head_shape).transpose(1, 2), cos, sin)
             q, k, v = self.q_norm(q), self.k_norm(k), v.view(head_shape).transpose(1, 2)
             k_cache.index_copy_(2, cache_position, k)
             v_cache.index_copy_(2, cache_position, v)

@@ -152,6 +152,10 @@ def variants() -> dict:
         dict(fwd_pointers, q_weight_ptr="*fp32", k_weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
              q_out_ptr="*fp32", k_out_ptr="*fp32", k_cache_ptr="*fp32"),
         out["forward_bf16_d128"][2], fwd_floats, dict(num_warps=4))
+    # Gemma3's form under the same autocast: the norm rounds to bf16, RoPE to fp32.
+    out["forward_bf16_d128_autocast_one_plus_weight"] = (
+        out["forward_bf16_d128_autocast_fp32_outputs"][0], out["forward_bf16_d128_autocast_fp32_outputs"][1],
+        dict(out["forward_bf16_d128"][2], NORM_STYLE=2), fwd_floats, dict(num_warps=4))
     # nn.RMSNorm with its weight kept in fp32 in a bf16 model.
     out["forward_bf16_d128_norm_fp32_weight_f32_weights"] = (
         forward._qk_norm_rope_cache_kernel, dict(fwd_pointers, q_weight_ptr="*fp32", k_weight_ptr="*fp32"),

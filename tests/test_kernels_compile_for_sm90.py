@@ -42,7 +42,7 @@ VARIANTS = [
     "forward_bf16_d128_norm_fp32_one_plus_weight", "forward_bf16_d128_norm_no_weight", "forward_bf16_d128_rope_first",
     "forward_bf16_d128_norm_fp32_weight_f32_weights", "forward_bf16_d128_partial_rotary_64", "forward_bf16_d128_interleaved",
     "forward_bf16_d128_interleaved_rope_first",
-    "forward_bf16_d128_autocast_fp32_outputs",
+    "forward_bf16_d128_autocast_fp32_outputs", "forward_bf16_d128_autocast_one_plus_weight",
     "backward_elementwise_bf16_d128",
     "backward_elementwise_bf16_d128_with_grads", "backward_finish_w1_cs1", "backward_finish_w1_cs0",
     "backward_finish_w0_cs1",
@@ -103,15 +103,17 @@ def test_streaming_tile_issues_every_block_load_before_its_first_store():
         assert 0 < r["registers"] <= 80, r
 
 
-@pytest.mark.parametrize("variant,max_barriers", [("forward_bf16_d128_interleaved", 6),
-                                                  ("forward_bf16_d128_interleaved_rope_first", 14),
-                                                  ("forward_graph_bf16_d128_streaming_interleaved", 7)])
-def test_interleaved_rows_convert_only_the_tables(variant, max_barriers):
+@pytest.mark.parametrize("variant,default_build", [("forward_bf16_d128_interleaved", "forward_bf16_d128"),
+                                                   ("forward_bf16_d128_interleaved_rope_first", "forward_bf16_d128"),
+                                                   ("forward_graph_bf16_d128_streaming_interleaved",
+                                                    "forward_graph_bf16_d128_streaming")])
+def test_interleaved_rows_go_through_no_shared_memory(variant, default_build):
     """Interleaved pairs: the rows stay in their load layout (each pair's partner exchanged in a
-    lane's registers); only cos/sin, doubled into that layout once per program, go through shared
-    memory. The first build, which split every block's rows into pair tiles there, had 14 barriers
-    in the small tile (norm first) and ran 1.10x the default build on the H200 (now 1.04-1.06x)."""
-    r = report()[variant]
+    lane's registers) and the per-feature tables load straight into it, so the build has no
+    more barriers than the default one. Earlier builds converted the rows (14 barriers, 1.10x
+    the default build on the H200) or half tables doubled in registers (6, RoPE first 14: 1.05x
+    and 1.18x); ``benchmarks/NOTES-forward.md``."""
+    r, default = report()[variant], report()[default_build]
     assert r["ok"], r.get("error")
-    assert r["barriers"] <= max_barriers, r
+    assert r["barriers"] <= default["barriers"], (r, default)
     assert r["spill_bytes"] <= 8, r

@@ -17,6 +17,7 @@ import fusion_pass
 from compile_capture import eager, fused_count, run_fused
 from fusion_pass.kernels.qk_norm_rope_cache_op import output_dtype
 from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_reference
+from prologue_variants import DensePrologue, Glm4MoePrologue, make_glm_inputs
 from qwen3_style import Qwen3StylePrologue, make_inputs
 
 
@@ -41,12 +42,54 @@ def test_autocast_region_over_an_fp32_model_fuses_once_and_is_bit_exact(seq):
     assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
 
 
-def test_output_dtype_promotes_only_qwen3_form_with_an_fp32_weight():
+AUTOCAST_FORMS = [("gemma3", False), ("gemma3", True), ("gemma3n", False), ("afmoe", False), ("pow_no_weight", True)]
+
+
+@pytest.mark.parametrize("norm,after_transpose", AUTOCAST_FORMS,
+                         ids=[f"{n}_{'bhsd' if t else 'bshd'}" for n, t in AUTOCAST_FORMS])
+def test_autocast_other_norm_forms_fuse_once_and_are_bit_exact(norm, after_transpose):
+    """Gemma3's ``(n * (1 + weight)).type_as(x)`` (its ``weight.float()`` no node for an fp32
+    weight), Gemma3n's, AFMoE's and the weight-free form under bf16 autocast over an fp32 model:
+    the norm ends in bf16 (``type_as(x)``), RoPE promotes to the fp32 tables."""
+    torch.manual_seed(0)
+    model = DensePrologue(norm=norm, norm_after_transpose=after_transpose)
+    inputs = autocast_inputs(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (q_ref, _), ref_inputs = eager(model, inputs)
+        (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1, capture.after
+    assert q_out.dtype == q_ref.dtype == torch.float32
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+def test_autocast_qwen3_next_partial_rotary_fuses_once_and_is_bit_exact():
+    """Qwen3-Next's and Qwen3.5's prologue under autocast: the ``1 + weight`` norm before the
+    transpose, GLM-4.5-style partial rotary (16 of 32 features)."""
+    torch.manual_seed(0)
+    model = Glm4MoePrologue(head_dim=32, norm="gemma3")
+    hidden, cos, sin, k_cache, v_cache, pos = make_glm_inputs(head_dim=32, rotary_dim=16, dtype=torch.float32)
+    inputs = [hidden, cos, sin, k_cache, v_cache.to(torch.bfloat16), pos]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (q_ref, _), ref_inputs = eager(model, inputs)
+        (q_out, _), capture = run_fused(model, inputs)
+    assert fused_count() == 1, capture.after
+    assert "rotary_dim=16" in capture.after[0]
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
+def test_output_dtype_follows_the_model_code_under_autocast():
+    """Qwen3's ``weight * n.to(dtype)`` promotes to the weight's dtype; the other forms end in
+    q's dtype, and RoPE's products promote to the tables'."""
     q, w16, w32 = torch.empty(1, 2, 3, 16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.bfloat16), torch.empty(16)
-    assert output_dtype(q, w32, "weight") == torch.float32
-    assert output_dtype(q, w16, "weight") == torch.bfloat16
-    assert output_dtype(q, w32, "fp32_weight") == torch.bfloat16  # nn.RMSNorm: (n * w).to(dtype)
-    assert output_dtype(q, None, "no_weight") == torch.bfloat16
+    cos16, cos32 = torch.empty(1, 3, 16, dtype=torch.bfloat16), torch.empty(1, 3, 16)
+    assert output_dtype(q, w32, cos32, "weight") == torch.float32
+    assert output_dtype(q, w32, cos16, "weight") == torch.float32  # then the op refuses the bf16 tables
+    assert output_dtype(q, w16, cos16, "weight") == torch.bfloat16
+    assert output_dtype(q, w32, cos16, "fp32_weight") == torch.bfloat16  # nn.RMSNorm kept in fp32: (n * w).to(dtype)
+    assert output_dtype(q, w32, cos32, "fp32_one_plus_weight") == torch.float32  # Gemma3's form under autocast
+    assert output_dtype(q, None, cos16, "no_weight") == torch.bfloat16
 
 
 def test_mixed_precision_op_matches_the_reference_and_refuses_rope_first():

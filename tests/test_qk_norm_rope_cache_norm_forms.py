@@ -19,6 +19,7 @@ from fused_op_calls import assert_op_call_matches_reference, random_op_args
 from prologue_variants import (NORM_LOOK_ALIKES, NORMS, DensePrologue, Glm4MoePrologue, PagedPrologue, make_glm_inputs,
                                make_norm, make_paged_inputs)
 from transformers.models.glm.modeling_glm import apply_rotary_pos_emb as glm_apply_rotary_pos_emb
+from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb as glm4_moe_apply_rotary_pos_emb
 from qwen3_style import make_inputs
 
 DENSE_OP = "fusion_pass.qk_norm_rope_cache"
@@ -85,6 +86,33 @@ def test_interleaved_rope_norm_forms_fuse_once_and_are_bit_exact(norm):
     assert "interleaved=True" in capture.after[0]
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_partial_interleaved_rope_norm_forms_fuse_once_and_are_bit_exact(norm):
+    """GLM's ``apply_rotary_pos_emb`` with partial tables: the first 16 of 32 features rotated in
+    interleaved pairs, the rest passed through."""
+    model = Glm4MoePrologue(rope=glm_apply_rotary_pos_emb, head_dim=32, norm=norm).to(torch.bfloat16)
+    capture = assert_fused_once_and_bit_exact(model, make_glm_inputs(head_dim=32, rotary_dim=16), norm)
+    assert "interleaved=True" in capture.after[0] and "rotary_dim=16" in capture.after[0]
+
+
+def partial_tables(inputs: list, rotary_dim: int) -> list:
+    """``make_inputs`` with cos/sin cut to their first ``rotary_dim`` features."""
+    return [inputs[0], inputs[1][..., :rotary_dim], inputs[2][..., :rotary_dim], *inputs[3:]]
+
+
+@pytest.mark.parametrize("rope", ["partial", "interleaved"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_rope_first_partial_and_interleaved_norm_forms_fuse_once_and_are_bit_exact(norm, rope):
+    """HunYuan's order with GLM-4.5's partial RoPE (16 of 32 features) or GLM's interleaved one."""
+    fn = glm4_moe_apply_rotary_pos_emb if rope == "partial" else glm_apply_rotary_pos_emb
+    model = DensePrologue(norm=norm, rope_first=True, head_dim=32, rope=fn).to(torch.bfloat16)
+    inputs = list(make_inputs(head_dim=32))
+    capture = assert_fused_once_and_bit_exact(model, partial_tables(inputs, 16) if rope == "partial" else inputs,
+                                              norm)
+    assert "rope_first=True" in capture.after[0]
+    assert ("rotary_dim=16" if rope == "partial" else "interleaved=True") in capture.after[0]
+
+
 @pytest.mark.parametrize("norm", [n for n in NORMS if n != "qwen3"])
 def test_fp16_decode_gqa_norm_forms_are_bit_exact(norm):
     model = DensePrologue(hidden=32, q_heads=8, kv_heads=2, head_dim=64, norm=norm,
@@ -122,12 +150,16 @@ def test_torch_rms_norm_kept_in_fp32_in_a_bf16_model_fuses():
     assert_fused_once_and_bit_exact(model, list(make_inputs()), "torch_rms_norm")
 
 
-def test_gemma3_norm_kept_in_fp32_is_not_recognized():
-    """``weight.float()`` of an fp32 weight is no graph node: not the Gemma3 graph, left alone."""
-    model = DensePrologue(norm="gemma3", norm_after_transpose=True).to(torch.bfloat16)
-    model.q_norm.float(), model.k_norm.float()
-    inputs = list(make_inputs())
-    assert_left_unfused(model, inputs)
+@pytest.mark.parametrize("norm", ["gemma3_fp32", "gemma_two_plus_weight"])
+def test_a_weight_computed_from_the_parameter_fuses_as_the_fp32_weight_form(norm):
+    """``Gemma3RMSNorm`` kept in fp32 (``weight.float()`` is then no node) and one with ``2.0 +
+    weight``: both are ``(n * w).to(dtype)`` with ``w`` computed from the parameter, ``nn.RMSNorm``'s
+    form, which the op takes with that ``w`` (fp32): bit-exact."""
+    model = DensePrologue(norm="gemma3" if norm == "gemma3_fp32" else norm, norm_after_transpose=True)
+    model = model.to(torch.bfloat16)
+    if norm == "gemma3_fp32":
+        model.q_norm.float(), model.k_norm.float()
+    assert_fused_once_and_bit_exact(model, list(make_inputs()), "torch_rms_norm")
 
 
 @pytest.mark.parametrize("norm", ["gemma3", "pow_no_weight"])
@@ -214,12 +246,11 @@ def test_op_norm_styles_round_differently():
         (dict(norm="no_weight"), "q_weight", "None"),
         (dict(q_weight=None), "q_weight", "a tensor for norm='weight'"),
         (dict(norm="fp32_weight", k_weight=None), "k_weight", "a tensor for norm='fp32_weight'"),
-        (lambda a: dict(a, q_weight=a["q_weight"].half()), "q_weight",
-         r"q's dtype torch.bfloat16 or torch.float32 \(norm='weight'\)"),
+        (lambda a: dict(a, q_weight=a["q_weight"].half()), "q_weight", "q's dtype torch.bfloat16 or torch.float32"),
         # an fp32 q_weight is mixed precision (``output_dtype``), and then so must be k's
         (lambda a: dict(a, q_weight=a["q_weight"].float()), "k_weight", "q_weight's dtype torch.float32"),
         (lambda a: dict(a, norm="fp32_weight", k_weight=a["k_weight"].half()), "k_weight",
-         r"q's dtype torch.bfloat16 or torch.float32 \(norm='fp32_weight'\)"),
+         "q's dtype torch.bfloat16 or torch.float32"),
     ],
 )
 def test_op_rejects_weights_that_do_not_fit_the_norm_by_name(change, name, expected):

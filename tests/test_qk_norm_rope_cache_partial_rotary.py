@@ -14,7 +14,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import rotate_half
 
 import fusion_pass
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference
-from compile_capture import assert_left_unfused, eager, fused_call, fused_count, run_fused
+from compile_capture import assert_left_unfused, eager, fused_call, fused_count, fused_once_and_bit_exact, run_fused
 from fused_op_calls import assert_op_call_matches_reference, random_op_args
 from prologue_variants import Glm4MoePrologue, PagedPrologue, Qwen3NextPrologue, make_glm_inputs, make_paged_inputs
 
@@ -30,17 +30,6 @@ def rotate_last_features(q, k, cos, sin):
         x_pass, x_rot = x[..., :-rotary_dim], x[..., -rotary_dim:]
         out.append(torch.cat([x_pass, (x_rot * cos) + (rotate_half(x_rot) * sin)], dim=-1))
     return tuple(out)
-
-
-def fused_once_and_bit_exact(model, inputs: list) -> str:
-    """Compiled with the pass: one fusion, q and both caches (inputs 3 and 4) bit-identical to
-    eager's. Returns the fused op's call line."""
-    (q_ref, _), ref_inputs = eager(model, inputs)
-    (q_out, _), capture = run_fused(model, inputs)
-    assert fused_count() == 1
-    assert torch.equal(q_out, q_ref)
-    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
-    return fused_call(capture.after[0])
 
 
 # --- the model form fuses, bit for bit --------------------------------------------------------

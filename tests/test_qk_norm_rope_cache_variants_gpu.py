@@ -42,6 +42,11 @@ VARIANTS = {
     "interleaved_no_weight": dict(interleaved=True, norm="no_weight"),
     "rope_first_fp32_weight": dict(rope_first=True, norm="fp32_weight"),
     "interleaved_rope_first_fp32_weight": dict(interleaved=True, rope_first=True, norm="fp32_weight"),
+    # partial rotary on interleaved pairs (GLM-4-9B's RoPE), and with RoPE first
+    "partial_interleaved_glm": dict(interleaved=True, rotary_dim=64),
+    "partial_interleaved_rope_first_one_plus_weight": dict(interleaved=True, rotary_dim=64, rope_first=True,
+                                                           norm="fp32_one_plus_weight"),
+    "rope_first_partial": dict(rope_first=True, rotary_dim=64),
 }
 
 
@@ -156,12 +161,14 @@ def test_gpu_large_head_dims_match_reference(head_dim, kv_heads, name):
     check_dense_op(args, f"D{head_dim} {name}")
 
 
-def test_gpu_autocast_over_fp32_weights_matches_reference():
-    """bf16 autocast over an fp32 model (Qwen3's form): bf16 q/k/v, fp32 norm weights and tables,
-    fp32 outputs and k cache, bf16 v cache. A flipped tie moves the bf16-rounded normalized row, so
-    the outputs are compared at bf16 ulps."""
-    args = make_args(VARIANTS["qwen3"], torch.bfloat16, seed=11)
-    for name in ("q_weight", "k_weight", "cos", "sin", "k_cache"):
-        args[name] = args[name].float()
-    q_out, k_out = check_dense_op(args, "autocast", rounded_to=torch.bfloat16)
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_one_plus_weight", "no_weight"])
+def test_gpu_autocast_over_fp32_weights_matches_reference(name):
+    """bf16 autocast over an fp32 model: bf16 q/k/v, fp32 norm weights and tables, fp32 outputs
+    and k cache, bf16 v cache (Qwen3's form rounds the normalized row, the others their output,
+    to bf16). A flipped tie moves a bf16-rounded value, so the outputs are compared at bf16 ulps."""
+    args = make_args(VARIANTS[name], torch.bfloat16, seed=11)
+    for arg in ("q_weight", "k_weight", "cos", "sin", "k_cache"):
+        if args[arg] is not None:
+            args[arg] = args[arg].float()
+    q_out, k_out = check_dense_op(args, f"autocast {name}", rounded_to=torch.bfloat16)
     assert q_out.dtype == k_out.dtype == torch.float32
