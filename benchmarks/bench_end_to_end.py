@@ -26,6 +26,11 @@ Cases (on CUDA), each as eager / stock ``torch.compile`` / ``torch.compile`` wit
   three kinds on transformers' ``Gemma4ForCausalLM`` (``gemma4_config``: a sliding layer of head_dim 256 and
   a full layer of head_dim 512 with partial rotary, per pair of layers; RoPE on ``[B, S, H, D]`` before the
   transpose). No fused-region share (that measurement is Qwen3's region).
+* ``glm4moe_*``: the same three kinds on transformers' ``Glm4MoeForCausalLM`` (GLM-4.5's attention:
+  ``use_qk_norm``, partial rotary, half the features rotated; every layer with the dense MLP).
+* ``glminterleaved_*``: the same model with transformers' GLM ``apply_rotary_pos_emb`` (interleaved
+  pairs, partial) in place of GLM-4.5's, patched into ``modeling_glm4_moe`` for these cases only: no
+  transformers model has interleaved RoPE after a per-head norm, this is its model-code measurement.
 * ``hunyuan_train_B2_S2048``, ``hunyuan_train_B16_S256``: one training step of ``HunYuanDenseV1ForCausalLM`` (forward with
   ``labels``, ``loss.backward()``, ``torch.optim.AdamW.step()``, ``zero_grad``); the model is compiled,
   the optimizer runs eager in every variant. Family ``qkv_rope_qk_norm``.
@@ -132,6 +137,12 @@ CASES = {
     "gemma4_prefill_B1_S2048": ("prefill", 1, 2048),
     "gemma4_decode_B1_ctx2048_default": ("decode_default", 1, 2048),
     "gemma4_decode_B1_ctx2048": ("decode", 1, 2048),
+    "glm4moe_prefill_B1_S2048": ("prefill", 1, 2048),
+    "glm4moe_decode_B1_ctx2048_default": ("decode_default", 1, 2048),
+    "glm4moe_decode_B1_ctx2048": ("decode", 1, 2048),
+    "glminterleaved_prefill_B1_S2048": ("prefill", 1, 2048),
+    "glminterleaved_decode_B1_ctx2048_default": ("decode_default", 1, 2048),
+    "glminterleaved_decode_B1_ctx2048": ("decode", 1, 2048),
     "hunyuan_train_B2_S2048": ("train", 2, 2048),
     "hunyuan_train_B16_S256": ("train", 16, 256),
 }
@@ -233,6 +244,30 @@ def gemma4_config(g: Geometry, max_positions: int):
         sliding_window=4096, hidden_size_per_layer_input=0, max_position_embeddings=max_positions,
         tie_word_embeddings=False, use_cache=True, attn_implementation="sdpa",
     )
+
+
+def glm4moe_config(g: Geometry, max_positions: int):
+    """GLM-4.5's attention (q/k normed per head, partial rotary factor 0.5) at the geometry's heads;
+    every layer takes the dense MLP (``first_k_dense_replace``): the prologue is the same in MoE layers."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        vocab_size=g.vocab, hidden_size=g.hidden, intermediate_size=g.intermediate, num_hidden_layers=g.layers,
+        num_attention_heads=g.q_heads, num_key_value_heads=g.kv_heads, head_dim=g.head_dim,
+        max_position_embeddings=max_positions, use_qk_norm=True, first_k_dense_replace=g.layers,
+        tie_word_embeddings=False, use_cache=True, attn_implementation="sdpa",
+    )
+
+
+def use_glm_interleaved_rope(on: bool) -> None:
+    """Swap transformers' GLM ``apply_rotary_pos_emb`` (interleaved pairs) into ``modeling_glm4_moe``
+    (``glminterleaved_*`` cases), or put GLM-4.5's own back."""
+    from transformers.models.glm import modeling_glm
+    from transformers.models.glm4_moe import modeling_glm4_moe
+
+    own = getattr(modeling_glm4_moe, "_own_apply_rotary_pos_emb", modeling_glm4_moe.apply_rotary_pos_emb)
+    modeling_glm4_moe._own_apply_rotary_pos_emb = own
+    modeling_glm4_moe.apply_rotary_pos_emb = modeling_glm.apply_rotary_pos_emb if on else own
 
 
 def hunyuan_config(g: Geometry, max_positions: int):
@@ -953,10 +988,15 @@ def run_cuda(args, g: Geometry) -> int:
             else:
                 if built is None:
                     positions = max(4096, max(s for _, _, s in CASES.values()) + CACHE_HEADROOM)
+                    use_glm_interleaved_rope(family == "glminterleaved")
                     if family == "gemma4":
                         from transformers import Gemma4ForCausalLM as cls
 
                         config = gemma4_config(g, positions)
+                    elif family in ("glm4moe", "glminterleaved"):
+                        from transformers import Glm4MoeForCausalLM as cls
+
+                        config = glm4moe_config(g, positions)
                     else:
                         from transformers import Qwen3ForCausalLM as cls
 

@@ -171,6 +171,9 @@ FORWARD_VARIANTS = {
     "interleaved fp32_one_plus_weight": dict(interleaved=True, norm="fp32_one_plus_weight"),
     "interleaved no_weight": dict(interleaved=True, norm="no_weight"),
     "rope_first fp32_weight": dict(rope_first=True, norm="fp32_weight"),
+    "interleaved rotary_dim 64": dict(interleaved=True, rotary_dim=64),
+    "rope_first rotary_dim 64": dict(rope_first=True, rotary_dim=64),
+    "interleaved rope_first rotary_dim 64": dict(interleaved=True, rope_first=True, rotary_dim=64),
 }
 
 
