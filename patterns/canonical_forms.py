@@ -306,7 +306,9 @@ def sums_over_size_as_means(graph: torch.fx.Graph) -> int:
         total, size = node.args
         if total.target is not aten.sum.dim_IntList or len(total.users) != 1 or total.kwargs:
             continue
-        shape = _shape(total.args[0])
+        shape, val = _shape(total.args[0]), _val(total.args[0])
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            continue  # an integer sum divided is a float; an integer mean is an error
         dims, keepdim = total.args[1], (total.args[2] if len(total.args) > 2 else False)
         if (shape is None or list(dims) != [-1] or not _is_power_of_two(shape[-1]) or isinstance(size, torch.fx.Node)
                 or size != shape[-1] or len(total.args) > 3):
