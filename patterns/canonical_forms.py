@@ -210,13 +210,19 @@ def rotation_terms_second(graph: torch.fx.Graph) -> int:
     return rewritten
 
 
+def _is_real_float(val) -> bool:
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
 def negative_units_as_neg(graph: torch.fx.Graph) -> int:
-    """``x * -1`` -> ``-x``: the same value (a sign flip is exact)."""
+    """``x * -1`` -> ``-x`` for a real floating-point ``x``: the same value (a sign flip is exact;
+    a complex product by ``-1 + 0j`` is not a sign flip where a part is zero, inf or nan)."""
     rewritten = 0
     for node in list(graph.nodes):
         if (node.op == "call_function" and node.target is aten.mul.Tensor and len(node.args) == 2 and not node.kwargs
                 and isinstance(node.args[0], torch.fx.Node) and not isinstance(node.args[1], torch.fx.Node)
-                and node.args[1] == -1 and _val(node) is not None and _val(node).dtype == _val(node.args[0]).dtype):
+                and node.args[1] == -1 and _is_real_float(_val(node)) and _is_real_float(_val(node.args[0]))
+                and _val(node).dtype == _val(node.args[0]).dtype):
             _replace_with_call(graph, node, aten.neg.default, (node.args[0],))
             rewritten += 1
     return rewritten
@@ -294,10 +300,16 @@ def _is_power_of_two(n) -> bool:
     return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
 
+#: Dtypes whose ``sum`` is rounded once, as ``mean``'s is: a half-precision sum is rounded to its
+#: dtype before the division (it can overflow, or round twice below the normal range), a mean is
+#: not; an integer sum divided is a float, an integer mean an error.
+_EXACT_SUM_DTYPES = (torch.float32, torch.float64)
+
+
 def sums_over_size_as_means(graph: torch.fx.Graph) -> int:
-    """``x.sum(-1, keepdim=True) / D`` (D = x's last size, a power of two) -> ``x.mean(-1,
-    keepdim=True)``: torch's mean is that sum divided by D, and dividing by a power of two is exact
-    either way (``/ D`` or ``* (1 / D)``)."""
+    """``x.sum(-1, keepdim=True) / D`` (x fp32 or fp64 of at least one dim, D its last size, a power
+    of two) -> ``x.mean(-1, keepdim=True)``: torch's mean is that sum divided by D, and dividing by a
+    power of two is exact either way (``/ D`` or ``* (1 / D)``)."""
     rewritten = 0
     for node in list(graph.nodes):
         if (node.op != "call_function" or node.target is not aten.div.Tensor or len(node.args) != 2 or node.kwargs
@@ -307,11 +319,11 @@ def sums_over_size_as_means(graph: torch.fx.Graph) -> int:
         if total.target is not aten.sum.dim_IntList or len(total.users) != 1 or total.kwargs:
             continue
         shape, val = _shape(total.args[0]), _val(total.args[0])
-        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
-            continue  # an integer sum divided is a float; an integer mean is an error
+        if not (isinstance(val, torch.Tensor) and val.dtype in _EXACT_SUM_DTYPES and val.dim() >= 1):
+            continue
         dims, keepdim = total.args[1], (total.args[2] if len(total.args) > 2 else False)
-        if (shape is None or list(dims) != [-1] or not _is_power_of_two(shape[-1]) or isinstance(size, torch.fx.Node)
-                or size != shape[-1] or len(total.args) > 3):
+        if (not isinstance(dims, (list, tuple)) or list(dims) != [-1] or not _is_power_of_two(shape[-1])
+                or isinstance(size, torch.fx.Node) or size != shape[-1] or len(total.args) > 3):
             continue
         _fold(graph, node, aten.mean.dim, (total.args[0], [-1], keepdim), total)
         rewritten += 1
@@ -319,8 +331,8 @@ def sums_over_size_as_means(graph: torch.fx.Graph) -> int:
 
 
 def unsqueezed_means_as_keepdim(graph: torch.fx.Graph) -> int:
-    """``x.mean(-1).unsqueeze(-1)`` (or ``[..., None]``) -> ``x.mean(-1, keepdim=True)``: the same
-    values, the reduced dim kept in place."""
+    """``x.mean(-1).unsqueeze(-1)`` (or ``[..., None]``), x of at least one dim -> ``x.mean(-1,
+    keepdim=True)``: the same values, the reduced dim kept in place."""
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.unsqueeze.default or node.kwargs:
@@ -328,19 +340,28 @@ def unsqueezed_means_as_keepdim(graph: torch.fx.Graph) -> int:
         mean, dim = node.args
         if (not isinstance(mean, torch.fx.Node) or mean.target is not aten.mean.dim or len(mean.users) != 1
                 or mean.kwargs or len(mean.args) not in (2, 3) or (len(mean.args) == 3 and mean.args[2])
-                or list(mean.args[1]) != [-1]):
+                or not isinstance(mean.args[1], (list, tuple)) or list(mean.args[1]) != [-1]):
             continue
-        out = _shape(node)
-        if out is None or dim % len(out) != len(out) - 1:
-            continue
+        source, out = _shape(mean.args[0]), _shape(node)
+        if source is None or out is None or len(source) == 0 or dim % len(out) != len(out) - 1:
+            continue  # a 0-d mean unsqueezed is 1-d, its keepdim mean 0-d
         _fold(graph, node, aten.mean.dim, (mean.args[0], [-1], True), mean)
         rewritten += 1
     return rewritten
 
 
+def _returns_new_tensor(node: torch.fx.Node) -> bool:
+    """``node`` is an ATen op whose result aliases none of its inputs (not a view, not in place):
+    an in-place write to it changes no other tensor."""
+    schema = getattr(node.target, "_schema", None)
+    return (isinstance(node.target, torch._ops.OpOverload) and schema is not None
+            and all(ret.alias_info is None for ret in schema.returns))
+
+
 def scalar_adds_as_tensor_adds(graph: torch.fx.Graph) -> int:
-    """``add.Scalar(x, s)``, or ``add_(x, s)`` on an intermediate only this add reads (``F.rms_norm``'s
-    decomposition adds its eps so) -> ``add.Tensor(x, s)``: the same sum."""
+    """``add.Scalar(x, s)``, or ``add_(x, s)`` on a new tensor only this add reads (``F.rms_norm``'s
+    decomposition adds its eps so) -> ``add.Tensor(x, s)``: the same sum. An in-place add to a view
+    writes its base too, and stays."""
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or len(node.args) != 2 or node.kwargs or isinstance(node.args[1], torch.fx.Node):
@@ -349,7 +370,7 @@ def scalar_adds_as_tensor_adds(graph: torch.fx.Graph) -> int:
         in_place = node.target in (aten.add_.Scalar, aten.add_.Tensor)
         if node.target is not aten.add.Scalar and not (
                 in_place and isinstance(x, torch.fx.Node) and x.op == "call_function" and len(x.users) == 1
-                and x.target not in _VIEWS):
+                and _returns_new_tensor(x)):
             continue
         _replace_with_call(graph, node, aten.add.Tensor, tuple(node.args))
         rewritten += 1

@@ -524,9 +524,10 @@ def register(pass_dict) -> None:
     for pattern, variants in groups.values():
         first = variants[0]
         for other in variants[1:]:  # one replacement serves them all
-            assert (other.norm_form.style, dataclasses.replace(other, norm=first.norm, strided=first.strided,
-                                                                    autocast=first.autocast)) == (
-                first.norm_form.style, first), (first, other)
+            if (other.norm_form.style, dataclasses.replace(other, norm=first.norm, strided=first.strided,
+                                                           autocast=first.autocast)) != (first.norm_form.style, first):
+                raise RuntimeError(f"variants {variant_name(first)} and {variant_name(other)} trace to one pattern "
+                                   "but need different replacements")
         checks = [retraced_check(_search(v), trace_as_post_grad, _SCALARS, _EXCLUSIVE,
                                  functools.partial(_check, variant=v)) for v in variants]
         register_replacement(

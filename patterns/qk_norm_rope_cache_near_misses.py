@@ -36,19 +36,44 @@ _UNMATCHED = ("per-head RMSNorm {order} left unfused: no registered combination 
 REFUSED = "fusion_pass_qk_norm_rope_cache_refused"
 
 aten = torch.ops.aten
-#: What a RoPE has that a norm does not: the sign flip of ``rotate_half`` (``neg``, or a
-#: subtraction), or a rotation spelled as a roll or a permuting index.
-_ROTATIONS = (aten.neg.default, aten.sub.Tensor, aten.roll.default, aten.index.Tensor)
-#: A search for the RoPE beside a norm stops at these: past them lies other work.
-_BARRIERS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.rsqrt.default, aten.sqrt.default,
-             aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-             aten._scaled_dot_product_cudnn_attention.default,
-             aten._scaled_dot_product_flash_attention_for_cpu.default)
+#: A RoPE's sign flip: the ``neg`` of ``rotate_half``, or the subtraction of ``x1 * cos - x2 * sin``.
+_SIGN_FLIPS = (aten.neg.default, aten.sub.Tensor)
+#: Halves put back together (``rotate_half``'s ``cat``; ``stack`` traces as one).
+_JOINS = (aten.cat.default,)
+
+
+#: A search for the RoPE beside a norm stops at another norm's statistic, and at ops whose name
+#: has a word (between underscores) ending in "mm" (``mm``, ``bmm``, ``_int_mm``, ``_scaled_mm``)
+#: or one of these words (attention, convolutions, linear layers), or that are not ATen ops (flex
+#: attention and other higher-order ops): past them lies other work.
+_BARRIER_WORDS = frozenset(("attention", "convolution", "conv1d", "conv2d", "conv3d", "linear"))
+
+
+def _is_barrier(node: torch.fx.Node) -> bool:
+    if node.target in (aten.rsqrt.default, aten.sqrt.default):
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        words = node.target._schema.name.split("::")[-1].split("_")
+        return any(word.endswith("mm") or word in _BARRIER_WORDS for word in words)
+    return isinstance(node.target, torch._ops.OperatorBase)  # higher-order ops; getitem and the like pass
+
+
+def _has_rotation(nodes: list[torch.fx.Node]) -> bool:
+    """The nodes hold a RoPE: a sum or difference of two products both among them (``x * cos +
+    rotate_half(x) * sin``, ``x1 * cos - x2 * sin``, whatever the rotation's spelling: a roll
+    traces as a permuting index), or a sign flip beside halves put back together."""
+    region = set(nodes)
+    for node in region:
+        if (node.target in (aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2
+                and all(arg in region and arg.target is aten.mul.Tensor for arg in node.args)):
+            return True
+    targets = {n.target for n in region}
+    return bool(targets & set(_SIGN_FLIPS) and targets & set(_JOINS))
 
 
 def _near(start: torch.fx.Node, forward: bool, depth: int) -> list[torch.fx.Node]:
     """Nodes within ``depth`` steps of ``start`` along users (``forward``) or arguments, not past
-    ``_BARRIERS``."""
+    a barrier (``_is_barrier``)."""
     seen, frontier = {start}, [start]
     for _ in range(depth):
         step = []
@@ -57,7 +82,7 @@ def _near(start: torch.fx.Node, forward: bool, depth: int) -> list[torch.fx.Node
             for n in nxt:
                 if n not in seen and n.op == "call_function":
                     seen.add(n)
-                    if n.target not in _BARRIERS:
+                    if not _is_barrier(n):
                         step.append(n)
         frontier = step
     return [n for n in seen if n is not start]
@@ -70,7 +95,8 @@ def _per_head_statistic_input(stat: torch.fx.Node) -> torch.fx.Node | None:
     if not isinstance(add, torch.fx.Node) or add.target is not aten.add.Tensor:
         return None
     mean = add.args[0]
-    if not isinstance(mean, torch.fx.Node) or mean.target is not aten.mean.dim or list(mean.args[1]) != [-1]:
+    if (not isinstance(mean, torch.fx.Node) or mean.target is not aten.mean.dim or len(mean.args) < 2
+            or not isinstance(mean.args[1], (list, tuple)) or list(mean.args[1]) != [-1]):
         return None
     square = mean.args[0]
     if not isinstance(square, torch.fx.Node) or square.target is not aten.pow.Tensor_Scalar:
@@ -110,9 +136,9 @@ def report_unmatched_prologues(graph: torch.fx.Graph, family: str) -> int:
         x = _per_head_statistic_input(stat)
         if x is None or stat.meta.get(REFUSED) or stat in outputs or stat.args[0] in outputs:
             continue
-        after, before = _near(stat, True, 14), _near(x, False, 8)
-        rope_after = [n for n in after if n.target in _ROTATIONS]
-        rope_before = [n for n in before if n.target in _ROTATIONS]
+        if not fusion_config.device_allowed(x.meta["val"].device):
+            continue
+        rope_after, rope_before = _has_rotation(_near(stat, True, 14)), _has_rotation(_near(x, False, 8))
         if not (rope_after or rope_before):
             continue
         order = "-> RoPE" if rope_after else "after a RoPE"

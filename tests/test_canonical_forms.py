@@ -61,3 +61,86 @@ def test_integer_sums_are_not_means():
     gm = fwd_only(lambda x: x.sum(-1, keepdim=True) / 4, [torch.ones(3, 4, dtype=torch.int64)])
     cf.sums_over_size_as_means(gm.graph)
     assert not any(n.target is torch.ops.aten.mean.dim for n in gm.graph.nodes)
+
+
+def _outputs(gm, args):
+    out = gm(*args)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def assert_canonicalize_keeps_values(fn, args):
+    """``fn`` traced and canonicalized computes what ``fn`` does: the same shapes, dtypes and bits."""
+    gm = fwd_only(fn, args)
+    cf.canonicalize(gm.graph)
+    gm.recompile()
+    got, want = _outputs(gm, args), _outputs(lambda *a: fn(*a), args)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+
+
+def test_a_half_precision_sum_over_size_is_not_a_mean():
+    """An fp16 sum is rounded to fp16 before the division: 4 x 30000 overflows where the mean does not."""
+    x = torch.full((2, 4), 30000.0, dtype=torch.float16)
+    assert torch.isinf(x.sum(-1, keepdim=True) / 4).all()
+    assert_canonicalize_keeps_values(lambda x: x.sum(-1, keepdim=True) / 4, [x])
+
+
+def test_zero_dim_sums_and_means_keep_their_shapes():
+    x = torch.tensor(3.0)
+    assert_canonicalize_keeps_values(lambda x: x.sum(-1) / 1, [x])
+    assert_canonicalize_keeps_values(lambda x: x.mean(-1).unsqueeze(-1), [x])
+
+
+def test_reductions_over_every_dim_are_left_as_they_are():
+    """``dim=None`` (a reduction over all dims) is no ``-1`` reduction."""
+    aten = torch.ops.aten
+    x = torch.randn(3, 4)
+    assert_canonicalize_keeps_values(lambda x: aten.sum.dim_IntList(x, None, True) / 4, [x])
+    assert_canonicalize_keeps_values(lambda x: aten.mean.dim(x, None).unsqueeze(-1), [x])
+
+
+def test_a_complex_product_by_minus_one_is_not_a_negation():
+    """(inf + 0j) * -1 is (-inf + nanj) in torch's complex product; -(inf + 0j) is (-inf - 0j)."""
+    x = torch.tensor([complex(float("inf"), 0.0), complex(1.0, -2.0)])
+    gm = fwd_only(lambda x: x * -1, [x])
+    assert cf.negative_units_as_neg(gm.graph) == 0
+
+
+def _hand_built(build) -> torch.fx.GraphModule:
+    """A graph built node by node, with only the meta values ``build`` sets."""
+    graph = torch.fx.Graph()
+    graph.output(build(graph, graph.placeholder("x")))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_rewrites_pass_over_nodes_without_meta_values():
+    """A node whose input has no meta value (a pass before ours made it) is left, not a crash."""
+    aten = torch.ops.aten
+
+    def build(g, x):
+        product = g.call_function(aten.mul.Tensor, (x, -1))
+        product.meta["val"] = torch.empty(2)
+        return product
+
+    gm = _hand_built(build)
+    cf.canonicalize(gm.graph)
+    gm.recompile()
+    assert torch.equal(gm(torch.ones(2)), -torch.ones(2))
+
+
+def test_an_in_place_add_to_a_view_still_writes_its_base():
+    """``base[:, :2].add_(1)`` changes ``base``: rewritten out of place it would not."""
+    aten = torch.ops.aten
+
+    def build(g, x):
+        base = g.call_function(aten.clone.default, (x,))
+        view = g.call_function(aten.slice.Tensor, (base, 1, 0, 2))
+        g.call_function(aten.add_.Tensor, (view, 1.0))
+        return base
+
+    gm = _hand_built(build)
+    x = torch.zeros(2, 4)
+    gm.graph.lint()
+    cf.canonicalize(gm.graph)
+    gm.recompile()
+    assert torch.equal(gm(x), torch.tensor([[1.0, 1, 0, 0], [1, 1, 0, 0]]))

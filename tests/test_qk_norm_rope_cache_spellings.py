@@ -224,3 +224,24 @@ def test_other_values_and_unrecognized_spellings_stay_unfused_and_are_reported(n
     assert_left_unfused(SpelledPrologue(*UNRECOGNIZED[name]).to(torch.bfloat16), list(make_inputs()))
     assert [(m.reason.split(":")[0], n) for m, n in fusion_pass.near_misses().items()] == [
         ("per-head RMSNorm -> RoPE left unfused", 2)]
+
+
+def shift_and_scale(x, cos, sin, rotate_half):
+    """No RoPE: a zero point subtracted and a scale applied, as a quantizer does."""
+    return (x - sin) * cos
+
+
+def test_a_norm_beside_other_arithmetic_is_no_near_miss():
+    """A subtraction is no rotation: without the halves put back together nothing is reported."""
+    torch.manual_seed(0)
+    assert_left_unfused(SpelledPrologue(rms_norm_qwen3, rotate_half_slices, shift_and_scale).to(torch.bfloat16),
+                        list(make_inputs()))
+    assert fusion_pass.near_misses() == {}
+
+
+def test_graphs_of_a_device_the_pass_skips_are_not_reported():
+    torch.manual_seed(0)
+    model = SpelledPrologue(rms_norm_qwen3, rotate_half_by_roll).to(torch.bfloat16)
+    _, capture = run_fused(model, list(make_inputs()), devices=("cuda",))
+    assert "fusion_pass.qk_norm_rope" not in capture.after[0]
+    assert fused_count() == 0 and fusion_pass.near_misses() == {}
