@@ -20,7 +20,8 @@ model code                                              canonical form
 ``x.unflatten(-1, (2, -1)).unbind(-2)``                 the same two slices
 ``x.narrow(-1, 8, 8)``, ``x[..., 8:16]``, ``x[..., -8:]``  ``x[..., 8:]`` (slice ints in one form: dim
                                                         counted from the front, ends past the size open)
-``torch.cat(.., dim=3)`` of 4-D tensors, ``mean(h, 3)``  dims counted from the end: ``dim=-1``
+``torch.cat(.., dim=3)`` of 4-D tensors, ``mean(h, 3)``  dims counted from the end: ``dim=-1`` (a cat
+                                                        along its last dim, of 3 or more dims)
 ``h.sum(-1, keepdim=True) / D`` (D a power of two)       ``h.mean(-1, keepdim=True)`` (the same division)
 ``h.mean(-1).unsqueeze(-1)``, ``h.mean(-1)[..., None]``  ``h.mean(-1, keepdim=True)``
 (training) ``rotate_half``'s backward sum, first half   the second half's term first
@@ -274,15 +275,18 @@ def slices_in_one_form(graph: torch.fx.Graph) -> int:
 
 
 def dims_from_the_end(graph: torch.fx.Graph) -> int:
-    """``cat(tensors, dim)``, ``mean(x, dims)`` and ``sum(x, dims)`` with their dims counted from the
-    end (``dim=3`` of a 4-D tensor -> ``-1``): the same op."""
+    """``cat(tensors, dim)`` along the last dim of a tensor of 3 or more dims, ``mean(x, dims)`` and
+    ``sum(x, dims)``, with their dims counted from the end (``dim=3`` of a 4-D tensor -> ``-1``): the
+    same op."""
     rewritten = 0
     for node in graph.nodes:
         if node.op != "call_function" or node.kwargs:
             continue
         if node.target is aten.cat.default and len(node.args) == 2 and isinstance(node.args[1], int):
+            # Only a head tensor's last dim: Inductor's own patterns match 2-D cats at dim 1
+            # (``cat_slice_cat``), which would read as another op at -1.
             shape = _shape(node)
-            if shape is not None and node.args[1] >= 0:
+            if shape is not None and len(shape) >= 3 and node.args[1] == len(shape) - 1:
                 node.args = (node.args[0], node.args[1] - len(shape))
                 rewritten += 1
         elif node.target in (aten.mean.dim, aten.sum.dim_IntList) and len(node.args) >= 2:

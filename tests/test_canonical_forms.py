@@ -144,3 +144,14 @@ def test_an_in_place_add_to_a_view_still_writes_its_base():
     cf.canonicalize(gm.graph)
     gm.recompile()
     assert torch.equal(gm(x), torch.tensor([[1.0, 1, 0, 0], [1, 1, 0, 0]]))
+
+
+def test_two_dim_cats_keep_the_dim_inductors_own_patterns_match():
+    """Inductor's ``cat_slice_cat`` matches ``cat(.., 1)`` of 2-D tensors; a last-dim cat of head
+    tensors (3-D and up) is the one counted from the end."""
+    aten = torch.ops.aten
+    two = fwd_only(lambda a, b: torch.cat((a, b), 1), [torch.ones(2, 3), torch.ones(2, 4)])
+    four = fwd_only(lambda a, b: torch.cat((a, b), 3), [torch.ones(1, 2, 2, 3), torch.ones(1, 2, 2, 4)])
+    cf.canonicalize(two.graph), cf.canonicalize(four.graph)
+    assert [n.args[1] for n in two.graph.find_nodes(op="call_function", target=aten.cat.default)] == [1]
+    assert [n.args[1] for n in four.graph.find_nodes(op="call_function", target=aten.cat.default)] == [-1]
