@@ -136,8 +136,17 @@ def _rotate_pairs(x, HEADS: tl.constexpr, TOKENS: tl.constexpr, HALF_BLOCK: tl.c
 
 
 @triton.jit
+def _weight_rows(weight_ptr, feats, f_mask, HEADS: tl.constexpr, TOKENS: tl.constexpr):
+    """The norm's weight ``[D]`` as fp32 ``[heads, tokens, D]`` rows. Addressed per row (L1 hits), so
+    the load takes the rows' layout: a ``[D]`` load would be converted into it through shared memory."""
+    per_row = tl.zeros([HEADS, TOKENS, 1], tl.int32)
+    return tl.load(weight_ptr + (per_row + feats[None, None, :]), mask=(per_row == 0) & f_mask[None, None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _norm_rope_interleaved(
-    x, weight_ptr, feats, f_mask, eps, cos, sin,
+    x, w, weight_ptr, feats, f_mask, eps, cos, sin,
     in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
     TOKENS: tl.constexpr, HALF_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
     ROPE_FIRST: tl.constexpr, ROTARY_DIM: tl.constexpr,
@@ -146,15 +155,10 @@ def _norm_rope_interleaved(
     values of the model dtype): ``cos[..., d]``/``sin[..., d]`` are feature d's table entries (the
     tables' dtype), ``rope(y) = y * cos + rotate_half_interleaved(y) * sin``, each product
     rounded, then the sum; with ``ROTARY_DIM < HEAD_DIM`` only the first ``ROTARY_DIM`` features
-    (whole pairs), the others passed through. Returns the rows rounded to ``dtype`` (held in fp32)."""
-    if NORM_STYLE != 3:
-        # Addressed per row (L1 hits), so the load takes the rows' layout: a [D] load would be
-        # converted into it through shared memory.
-        per_row = tl.zeros([HEADS, TOKENS, 1], tl.int32)
-        w = tl.load(weight_ptr + (per_row + feats[None, None, :]), mask=(per_row == 0) & f_mask[None, None, :],
-                    other=0.0).to(tl.float32)
-    else:
-        w = 1.0  # unused by the weight-free form
+    (whole pairs), the others passed through. Norm first, ``w`` is the weight's rows
+    (``_weight_rows``, loaded once per program); RoPE first, they are loaded here, after the RoPE:
+    held through it, they would take registers the RoPE needs (see NOTES-forward.md, session 18).
+    Returns the rows rounded to ``dtype`` (held in fp32)."""
     if ROPE_FIRST:
         y = x
     else:
@@ -167,6 +171,8 @@ def _norm_rope_interleaved(
     if ROTARY_DIM != HEAD_DIM:
         r = tl.where((feats < ROTARY_DIM)[None, None, :], r, y)
     if ROPE_FIRST:
+        if NORM_STYLE != 3:
+            w = _weight_rows(weight_ptr, feats, f_mask, HEADS, TOKENS)
         r = _weighted(r * _rstd(r, eps, HEAD_DIM, INTERPRETED)[:, :, None], w, dtype, dtype, NORM_STYLE, INTERPRETED)
     return r
 
@@ -458,11 +464,15 @@ def _norm_rope_interleaved_blocks(
                   other=0.0)
     sin = tl.load(sin_ptr + batch * stride_sin_b + table_row * stride_sin_s + feats[None, None, :], mask=t_mask,
                   other=0.0)
+    if NORM_STYLE != 3 and not ROPE_FIRST:
+        w = _weight_rows(weight_ptr, feats, f_mask, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM)  # every block's first use
+    else:
+        w = 1.0  # loaded after each block's RoPE (RoPE first), or unused (the weight-free form)
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         head_ok = offs_h < heads_total
         out = _norm_rope_interleaved(
-            rows[i], weight_ptr, feats, f_mask, eps, cos, sin, x_ptr.dtype.element_ty, dtype, HEAD_DIM,
+            rows[i], w, weight_ptr, feats, f_mask, eps, cos, sin, x_ptr.dtype.element_ty, dtype, HEAD_DIM,
             HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, HALF_BLOCK, INTERPRETED, NORM_STYLE, ROPE_FIRST, ROTARY_DIM,
         ).to(dtype)
         offs = _tile_offsets(batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, feats)

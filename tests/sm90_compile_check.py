@@ -190,6 +190,12 @@ def variants() -> dict:
                                                inductor_options)
     out["forward_graph_bf16_d128_streaming_interleaved"] = (out["forward_graph_bf16_d128"][0], pointers,
                                                            dict(streaming, INTERLEAVED=True), set(), inductor_options)
+    for suffix, change in (("rope_first", dict(ROPE_FIRST=True)), ("partial_rotary_64", dict(ROTARY_DIM=64)),
+                           ("rope_first_partial_rotary_64", dict(ROPE_FIRST=True, ROTARY_DIM=64)),
+                           ("one_plus_weight", dict(NORM_STYLE=2))):
+        out[f"forward_graph_bf16_d128_streaming_interleaved_{suffix}"] = (
+            out["forward_graph_bf16_d128"][0], pointers, dict(streaming, INTERLEAVED=True, **change), set(),
+            inductor_options)
     # head_dim 512 (Gemma4's full-attention layers: 32 query / 4 kv heads in the 31B model): the small
     # tile (8 rows of one token) and the streaming one (one head x 4 tokens per block: the same
     # elements per lane as D = 128's 16 tokens).

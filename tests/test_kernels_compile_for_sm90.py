@@ -117,3 +117,14 @@ def test_interleaved_rows_go_through_no_shared_memory(variant, default_build):
     assert r["ok"], r.get("error")
     assert r["barriers"] <= default["barriers"], (r, default)
     assert r["spill_bytes"] <= 8, r
+
+
+@pytest.mark.parametrize("suffix", ["", "_rope_first", "_partial_rotary_64", "_rope_first_partial_rotary_64",
+                                    "_one_plus_weight"])
+def test_interleaved_streaming_builds_keep_five_programs_per_sm(suffix):
+    """At most 96 registers a lane (five 4-warp programs per SM; the default streaming build takes
+    80): a weight held in registers across the blocks' RoPE took 108-115 and ran the RoPE-first
+    builds 5-8 % slower on the H200 (``benchmarks/NOTES-forward.md``, session 18)."""
+    r = report()[f"forward_graph_bf16_d128_streaming_interleaved{suffix}"]
+    assert r["ok"], r.get("error")
+    assert 0 < r["registers"] <= 96 and r["spill_bytes"] == 0, r
