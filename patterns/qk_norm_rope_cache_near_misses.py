@@ -138,7 +138,7 @@ def report_unmatched_prologues(graph: torch.fx.Graph, family: str) -> int:
             continue
         if not fusion_config.device_allowed(x.meta["val"].device):
             continue
-        rope_after, rope_before = _has_rotation(_near(stat, True, 14)), _has_rotation(_near(x, False, 8))
+        rope_after, rope_before = _has_rotation(_near(stat, True, 14)), _has_rotation([x, *_near(x, False, 8)])
         if not (rope_after or rope_before):
             continue
         order = "-> RoPE" if rope_after else "after a RoPE"

@@ -245,3 +245,26 @@ def test_graphs_of_a_device_the_pass_skips_are_not_reported():
     _, capture = run_fused(model, list(make_inputs()), devices=("cuda",))
     assert "fusion_pass.qk_norm_rope" not in capture.after[0]
     assert fused_count() == 0 and fusion_pass.near_misses() == {}
+
+
+class RopeFirstPrologue(SpelledPrologue):
+    """HunYuan's order (RoPE on [B, H, S, D], then the per-head norm), with the given spellings."""
+
+    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = self.norm(self.rope(q, cos, sin, self.rotate_half), self.q_weight, self.eps)
+        k = self.norm(self.rope(k, cos, sin, self.rotate_half), self.k_weight, self.eps)
+        k_cache.index_copy_(2, cache_position, k)
+        v_cache.index_copy_(2, cache_position, v)
+        return q, q.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+
+
+def test_an_unrecognized_rope_before_the_norm_is_reported_with_its_order():
+    torch.manual_seed(0)
+    assert_left_unfused(RopeFirstPrologue(rms_norm_qwen3, rotate_half_by_roll).to(torch.bfloat16), list(make_inputs()))
+    assert [(m.reason.split(":")[0], n) for m, n in fusion_pass.near_misses().items()] == [
+        ("per-head RMSNorm after a RoPE left unfused", 2)]
