@@ -51,6 +51,11 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+def _is_real_float(val) -> bool:
+    """``val`` is a tensor of a real floating-point dtype (not complex, not an integer)."""
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
 #: Node meta key set by callers that canonicalize a copy of a graph: the set of original nodes a
 #: node stands for. A merged duplicate's set joins the kept node's.
 ORIGIN = "fusion_pass_origin"
@@ -96,8 +101,7 @@ def square_products_as_pow(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if (node.op == "call_function" and node.target is aten.mul.Tensor and len(node.args) == 2
                 and node.args[0] is node.args[1] and isinstance(node.args[0], torch.fx.Node) and not node.kwargs):
-            val = _val(node.args[0])
-            if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            if not _is_real_float(_val(node.args[0])):
                 continue
             _replace_with_call(graph, node, aten.pow.Tensor_Scalar, (node.args[0], 2))
             rewritten += 1
@@ -209,10 +213,6 @@ def rotation_terms_second(graph: torch.fx.Graph) -> int:
             node.args = (b, a)
             rewritten += 1
     return rewritten
-
-
-def _is_real_float(val) -> bool:
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
 def negative_units_as_neg(graph: torch.fx.Graph) -> int:
@@ -357,9 +357,8 @@ def unsqueezed_means_as_keepdim(graph: torch.fx.Graph) -> int:
 def _returns_new_tensor(node: torch.fx.Node) -> bool:
     """``node`` is an ATen op whose result aliases none of its inputs (not a view, not in place):
     an in-place write to it changes no other tensor."""
-    schema = getattr(node.target, "_schema", None)
-    return (isinstance(node.target, torch._ops.OpOverload) and schema is not None
-            and all(ret.alias_info is None for ret in schema.returns))
+    return (isinstance(node.target, torch._ops.OpOverload)
+            and all(ret.alias_info is None for ret in node.target._schema.returns))
 
 
 def scalar_adds_as_tensor_adds(graph: torch.fx.Graph) -> int:

@@ -37,11 +37,7 @@ REFUSED = "fusion_pass_qk_norm_rope_cache_refused"
 
 aten = torch.ops.aten
 #: A RoPE's sign flip: the ``neg`` of ``rotate_half``, or the subtraction of ``x1 * cos - x2 * sin``.
-_SIGN_FLIPS = (aten.neg.default, aten.sub.Tensor)
-#: Halves put back together (``rotate_half``'s ``cat``; ``stack`` traces as one).
-_JOINS = (aten.cat.default,)
-
-
+_SIGN_FLIPS = frozenset((aten.neg.default, aten.sub.Tensor))
 #: A search for the RoPE beside a norm stops at another norm's statistic, and at ops whose name
 #: has a word (between underscores) ending in "mm" (``mm``, ``bmm``, ``_int_mm``, ``_scaled_mm``)
 #: or one of these words (attention, convolutions, linear layers), or that are not ATen ops (flex
@@ -68,7 +64,7 @@ def _has_rotation(nodes: list[torch.fx.Node]) -> bool:
                 and all(arg in region and arg.target is aten.mul.Tensor for arg in node.args)):
             return True
     targets = {n.target for n in region}
-    return bool(targets & set(_SIGN_FLIPS) and targets & set(_JOINS))
+    return bool(targets & _SIGN_FLIPS) and aten.cat.default in targets  # halves put back (stack traces as cat)
 
 
 def _near(start: torch.fx.Node, forward: bool, depth: int) -> list[torch.fx.Node]:

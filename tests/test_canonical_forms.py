@@ -40,6 +40,12 @@ CASES = {
 }
 
 
+def _outputs(fn, args) -> tuple:
+    """``fn(*args)`` as a tuple of tensors."""
+    out = fn(*args)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_canonical_rewrites_keep_every_bit(name):
     fn, make = CASES[name]
@@ -52,8 +58,7 @@ def test_canonical_rewrites_keep_every_bit(name):
     assert gm.graph.python_code("self").src != before
     for seed in range(5):
         args = make(torch.Generator().manual_seed(seed))
-        got, want = gm(*args), fn(*args)
-        got, want = (tuple(t) if isinstance(t, (tuple, list)) else (t,) for t in (got, want))
+        got, want = _outputs(gm, args), _outputs(fn, args)
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -63,17 +68,12 @@ def test_integer_sums_are_not_means():
     assert not any(n.target is torch.ops.aten.mean.dim for n in gm.graph.nodes)
 
 
-def _outputs(gm, args):
-    out = gm(*args)
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
 def assert_canonicalize_keeps_values(fn, args):
     """``fn`` traced and canonicalized computes what ``fn`` does: the same shapes, dtypes and bits."""
     gm = fwd_only(fn, args)
     cf.canonicalize(gm.graph)
     gm.recompile()
-    got, want = _outputs(gm, args), _outputs(lambda *a: fn(*a), args)
+    got, want = _outputs(gm, args), _outputs(fn, args)
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
     assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
 
