@@ -58,6 +58,7 @@ from triton.language.extra import libdevice
 from .qk_norm_rope_cache_reference import NORM_STYLES
 from .rounding import round_sum
 from .rounding import round_to
+from .rounding import select_rounded
 from .sin_cos import sin_cos
 from .triton_device import interpreting
 from .triton_call import TritonCall, named_args
@@ -169,7 +170,7 @@ def _norm_rope_interleaved(
                   round_to(_rotate_pairs(y, HEADS, TOKENS, HALF_BLOCK) * sin.to(tl.float32), dtype, INTERPRETED),
                   dtype, INTERPRETED)
     if ROTARY_DIM != HEAD_DIM:
-        r = tl.where((feats < ROTARY_DIM)[None, None, :], r, y)
+        r = select_rounded((feats < ROTARY_DIM)[None, None, :], r, y, dtype, INTERPRETED)
     if ROPE_FIRST:
         if NORM_STYLE != 3:
             w = _weight_rows(weight_ptr, feats, f_mask, HEADS, TOKENS)
@@ -306,8 +307,8 @@ def _partial_rope(y1, y2, cos1, cos2, sin1, sin2, rotated, dtype: tl.constexpr, 
     if PARTIAL:
         # cat([rope(x[..., :rotary_dim]), x[..., rotary_dim:]]): the pass-through features are
         # the input's values, no rounding added.
-        r1 = tl.where(rotated[None, None, :], r1, y1)
-        r2 = tl.where(rotated[None, None, :], r2, y2)
+        r1 = select_rounded(rotated[None, None, :], r1, y1, dtype, INTERPRETED)
+        r2 = select_rounded(rotated[None, None, :], r2, y2, dtype, INTERPRETED)
     return r1, r2
 
 

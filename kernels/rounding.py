@@ -11,6 +11,12 @@ for it), so contraction cannot be switched off per kernel: ``round_sum`` instead
 inline PTX with an explicit rounding modifier (``round_sum``), which neither LLVM nor ptxas
 fuse with the multiply before it.
 
+Choosing between two such values per feature (partial rotary's pass-through features) has the
+same kind of hazard for speed: the compiler keeps them as packed half-precision pairs, and a
+per-element ``tl.where`` unpacks, selects and repacks each half (measured: +33 % of the forward
+kernel's instructions, most on the integer pipe). ``select_rounded`` selects the packed pairs'
+bits in one ``lop3`` instead.
+
 The Triton interpreter (CPU tests) has no inline PTX, and its fp32 -> bf16 cast truncates
 instead of rounding to nearest even; there bf16 rounding is done on the fp32 bits, and fp16
 by numpy's (correctly rounding) cast.
@@ -69,3 +75,18 @@ def round_sum(a, b, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
                 is_pure=True, pack=2).to(tl.float32)
     else:
         return a + b
+
+
+@triton.jit
+def select_rounded(keep, a, b, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``tl.where(keep, a, b)`` of fp32 ``a``, ``b`` that hold ``dtype`` values (``keep`` broadcasts
+    to their shape), returned as fp32; exact (the bits of a or b). For bf16/fp16 on the GPU the
+    select is inline PTX on packed pairs (``lop3.b32``: ``(a & m) | (b & ~m)``, m all ones where
+    ``keep``), see the module docstring."""
+    if dtype.primitive_bitwidth == 16 and not INTERPRETED:
+        packed_a = a.to(dtype)
+        m = tl.broadcast_to(tl.where(keep, -1, 0).to(tl.int16), a.shape)
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r", [packed_a, b.to(dtype), m],
+                                         dtype=packed_a.dtype, is_pure=True, pack=2).to(tl.float32)
+    else:
+        return tl.where(keep, a, b)

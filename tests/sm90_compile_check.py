@@ -93,6 +93,8 @@ def compile_variant(fn, pointer_types: dict, constexprs: dict, float_args: set, 
         registers=int(registers.group(1)) if registers else -1,
         spill_bytes=int(spills.group(1)) if spills else -1,
         barriers=len(re.findall(r"\bbar\.sync\b", ptx)),
+        # Per-element selects of 16-bit values: a ``tl.where`` between packed bf16 pairs unpacks them.
+        half_selects=len(re.findall(r"\bselp\.b16\b", ptx)),
     )
 
 
@@ -190,6 +192,12 @@ def variants() -> dict:
                                                inductor_options)
     out["forward_graph_bf16_d128_streaming_interleaved"] = (out["forward_graph_bf16_d128"][0], pointers,
                                                            dict(streaming, INTERLEAVED=True), set(), inductor_options)
+    # Partial rotary: GLM-4.5's (64 of 128 features rotated), and Qwen3.5's with Gemma3's ``1 + w`` norm.
+    partial = dict(streaming, ROTARY_DIM=64, STRIDE_COS_S=64, STRIDE_SIN_S=64)
+    out["forward_graph_bf16_d128_streaming_partial_rotary_64"] = (out["forward_graph_bf16_d128"][0], pointers,
+                                                                 partial, set(), inductor_options)
+    out["forward_graph_bf16_d128_streaming_partial_rotary_64_one_plus_weight"] = (
+        out["forward_graph_bf16_d128"][0], pointers, dict(partial, NORM_STYLE=2), set(), inductor_options)
     for suffix, change in (("rope_first", dict(ROPE_FIRST=True)), ("partial_rotary_64", dict(ROTARY_DIM=64)),
                            ("rope_first_partial_rotary_64", dict(ROPE_FIRST=True, ROTARY_DIM=64)),
                            ("one_plus_weight", dict(NORM_STYLE=2))):

@@ -128,3 +128,20 @@ def test_interleaved_streaming_builds_keep_five_programs_per_sm(suffix):
     r = report()[f"forward_graph_bf16_d128_streaming_interleaved{suffix}"]
     assert r["ok"], r.get("error")
     assert 0 < r["registers"] <= 96 and r["spill_bytes"] == 0, r
+
+
+@pytest.mark.parametrize("variant", ["forward_graph_bf16_d128_streaming_partial_rotary_64",
+                                     "forward_graph_bf16_d128_streaming_partial_rotary_64_one_plus_weight",
+                                     "forward_graph_bf16_d128_streaming_interleaved_partial_rotary_64",
+                                     "forward_graph_bf16_d128_streaming_interleaved_rope_first_partial_rotary_64"])
+def test_partial_rotary_selects_packed_pairs(variant):
+    """Partial rotary picks each feature's RoPE or pass-through value on packed bf16 pairs
+    (``rounding.select_rounded``): no per-element 16-bit select but the one that builds the mask in
+    each program kind. A ``tl.where`` there compiled to 128 of them, unpacking and repacking every
+    pair (+33 % instructions; 1.05-1.06x the default build on the H200, ``benchmarks/NOTES-forward.md``)."""
+    r = report()[variant]
+    assert r["ok"], r.get("error")
+    assert r["half_selects"] <= 4, r
+    # ptxas keeps one 4-byte value of the non-interleaved build on the stack (one store and one
+    # load a lane, at 80 registers; Triton 3.7, 2026-12-03).
+    assert 0 < r["registers"] <= 96 and r["spill_bytes"] <= 4, r

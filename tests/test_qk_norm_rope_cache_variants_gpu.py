@@ -47,6 +47,8 @@ VARIANTS = {
     "partial_interleaved_rope_first_one_plus_weight": dict(interleaved=True, rotary_dim=64, rope_first=True,
                                                            norm="fp32_one_plus_weight"),
     "rope_first_partial": dict(rope_first=True, rotary_dim=64),
+    # Qwen3.5's: partial rotary with the ``1 + w`` norm
+    "partial_rotary_one_plus_weight": dict(rotary_dim=64, norm="fp32_one_plus_weight"),
 }
 
 
