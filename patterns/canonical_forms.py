@@ -24,6 +24,8 @@ model code                                              canonical form
                                                         along its last dim, of 3 or more dims)
 ``h.sum(-1, keepdim=True) / D`` (D a power of two)       ``h.mean(-1, keepdim=True)`` (the same division)
 ``h.mean(-1).unsqueeze(-1)``, ``h.mean(-1)[..., None]``  ``h.mean(-1, keepdim=True)``
+``x.transpose(1, 2).contiguous()`` read by arithmetic   ``x.transpose(1, 2)`` (a copy that only
+and slices (``rotate_half``), never written              changes the layout of values read one by one)
 (training) ``rotate_half``'s backward sum, first half   the second half's term first
 first (its slices taken second half first)
 ======================================================  ==========================================
@@ -473,10 +475,78 @@ def scatter_sums_second_half_first(graph: torch.fx.Graph) -> int:
     return rewritten
 
 
+#: Ops whose every output element is a function of input elements, whatever the inputs' strides:
+#: arithmetic, casts, and ``cat`` (a new tensor). A copy read only by these (or by slices read so)
+#: can be dropped without changing a value.
+_ELEMENTWISE_READERS = (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.pow.Tensor_Scalar,
+                        prims.convert_element_type.default, aten.cat.default)
+#: Views followed back to the tensor whose storage they share.
+_ALIASING_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+                   aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+                   aten.slice.Tensor, aten.select.int, aten.expand.default, aten.alias.default, aten.as_strided.default)
+
+
+def _storage_root(node):
+    while isinstance(node, torch.fx.Node) and node.target in _ALIASING_VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _read_elementwise_only(node: torch.fx.Node) -> bool:
+    """Every user of ``node`` reads its values one by one (``_ELEMENTWISE_READERS``), or is a slice
+    whose users do."""
+    return bool(node.users) and all(
+        user.op == "call_function" and (user.target in _ELEMENTWISE_READERS
+                                        or (user.target is aten.slice.Tensor and _read_elementwise_only(user)))
+        for user in node.users)
+
+
+def _written_roots(graph: torch.fx.Graph) -> set:
+    """The storage roots of every tensor an op of ``graph`` writes in place."""
+    roots = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(node.target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                roots.add(_storage_root(value))
+    return roots
+
+
+def contiguous_copies_dropped(graph: torch.fx.Graph) -> int:
+    """``clone(x)`` (``x.transpose(1, 2).contiguous()``) read only element by element
+    (``_read_elementwise_only``) -> ``x``: the same values, read through x's strides. Kept where
+    ``x`` may be written in place (the copy then protects a value) or is a graph input. The
+    readers keep their recorded values (fake tensors with the copy's strides), as nodes keep them
+    after Inductor's own pattern replacements: Inductor lays out intermediates itself and gives
+    the graph's outputs the recorded strides."""
+    written = None
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.clone.default or not isinstance(node.args[0],
+                                                                                                  torch.fx.Node):
+            continue
+        x = node.args[0]
+        root = _storage_root(x)
+        if not isinstance(root, torch.fx.Node) or root.op != "call_function" or not _read_elementwise_only(node):
+            continue
+        if written is None:
+            written = _written_roots(graph)
+        if root in written:
+            continue
+        if ORIGIN in node.meta:
+            x.meta[ORIGIN] = x.meta.get(ORIGIN, set()) | node.meta[ORIGIN]
+        node.replace_all_uses_with(x)
+        graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Apply every rewrite above to ``graph``; returns how many nodes were rewritten."""
     return (merge_duplicate_casts(graph) + square_products_as_pow(graph) + reciprocal_square_roots_as_rsqrt(graph)
             + inverse_square_root_powers_as_rsqrt(graph) + negative_units_as_neg(graph) + scalar_adds_as_tensor_adds(graph)
             + half_splits_as_slices(graph) + half_unbinds_as_slices(graph) + slices_in_one_form(graph)
             + dims_from_the_end(graph) + sums_over_size_as_means(graph) + unsqueezed_means_as_keepdim(graph)
-            + broadcast_factors_second(graph) + rotation_terms_second(graph))
+            + broadcast_factors_second(graph) + rotation_terms_second(graph) + contiguous_copies_dropped(graph))

@@ -31,12 +31,20 @@ def functional_norm(x):
     return torch.nn.functional.rms_norm(x.float(), (D,), eps=1e-6).to(x.dtype)  # add_ / add.Scalar
 
 
+def contiguous_copy_then_rotation(x, cos, sin):
+    q = (x * 2).transpose(1, 2).contiguous()                             # contiguous_copies_dropped
+    return rotation_spellings(q, cos, sin)
+
+
 CASES = {
     "norm": (norm_spellings, lambda g: [torch.randn(2, 5, 4, D, generator=g).bfloat16()]),
     "rotation": (rotation_spellings, lambda g: [torch.randn(2, 4, 5, D, generator=g).bfloat16(),
                                                 torch.randn(2, 1, 5, D, generator=g).bfloat16(),
                                                 torch.randn(2, 1, 5, D, generator=g).bfloat16()]),
     "functional_norm": (functional_norm, lambda g: [torch.randn(2, 5, 4, D, generator=g).bfloat16()]),
+    "contiguous_copy": (contiguous_copy_then_rotation, lambda g: [torch.randn(2, 5, 4, D, generator=g).bfloat16(),
+                                                                  torch.randn(2, 1, 5, D, generator=g).bfloat16(),
+                                                                  torch.randn(2, 1, 5, D, generator=g).bfloat16()]),
 }
 
 
@@ -155,3 +163,35 @@ def test_two_dim_cats_keep_the_dim_inductors_own_patterns_match():
     cf.canonicalize(two.graph), cf.canonicalize(four.graph)
     assert [n.args[1] for n in two.graph.find_nodes(op="call_function", target=aten.cat.default)] == [1]
     assert [n.args[1] for n in four.graph.find_nodes(op="call_function", target=aten.cat.default)] == [-1]
+
+
+def _clones(gm) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.clone.default))
+
+
+def test_a_copy_read_through_a_view_stays():
+    """``.contiguous().view(-1)``: a view needs the copy's strides."""
+    gm = fwd_only(lambda x: (x * 2).transpose(0, 1).contiguous().view(-1), [torch.randn(3, 4)])
+    assert cf.contiguous_copies_dropped(gm.graph) == 0 and _clones(gm) == 1
+
+
+def test_a_copy_of_a_tensor_written_later_stays():
+    """The copy holds the value from before the in-place add; read through x, it would see the add."""
+    aten = torch.ops.aten
+
+    def build(g, x):
+        doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
+        copy = g.call_function(aten.clone.default, (g.call_function(aten.t.default, (doubled,)),))
+        g.call_function(aten.add_.Tensor, (doubled, 1.0))
+        return g.call_function(aten.mul.Tensor, (copy, 3.0))
+
+    gm = _hand_built(build)
+    assert cf.contiguous_copies_dropped(gm.graph) == 0 and _clones(gm) == 1
+    gm.recompile()
+    assert torch.equal(gm(torch.ones(2, 3)), torch.full((3, 2), 6.0))
+
+
+def test_a_copy_of_a_graph_input_stays():
+    """A graph input may be written by the caller's graph around this one (and is not ours to alias)."""
+    gm = fwd_only(lambda x: x.transpose(0, 1).contiguous() * 2, [torch.randn(3, 4)])
+    assert cf.contiguous_copies_dropped(gm.graph) == 0 and _clones(gm) == 1

@@ -181,6 +181,35 @@ def test_equivalent_spellings_fuse_and_equal_eager(norm, rotation, rope):
     assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
 
 
+class ContiguousAfterTranspose(SpelledPrologue):
+    """``norm(q).transpose(1, 2).contiguous()`` (and k's, v's) before the RoPE."""
+
+    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.norm(self.q_proj(hidden_states).view(shape), self.q_weight, self.eps).transpose(1, 2).contiguous()
+        k = self.norm(self.k_proj(hidden_states).view(shape), self.k_weight, self.eps).transpose(1, 2).contiguous()
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2).contiguous()
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = self.rope(q, cos, sin, self.rotate_half)
+        k = self.rope(k, cos, sin, self.rotate_half)
+        k_cache.index_copy_(2, cache_position, k)
+        v_cache.index_copy_(2, cache_position, v)
+        return q, q.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+
+
+def test_a_contiguous_copy_after_the_transpose_fuses_with_eagers_strides():
+    """The copy only changes the layout the RoPE reads (``canonical_forms.contiguous_copies_dropped``);
+    the returned q keeps eager's (contiguous) strides."""
+    torch.manual_seed(0)
+    model = ContiguousAfterTranspose(rms_norm_qwen3, rotate_half_slices).to(torch.bfloat16)
+    inputs = list(make_inputs())
+    (q_ref, _), ref_inputs = eager(model, inputs)
+    (q_out, _), _ = run_fused(model, inputs)
+    assert fused_count() == 1
+    assert torch.equal(q_out, q_ref) and q_out.stride() == q_ref.stride()
+    assert torch.equal(inputs[3], ref_inputs[3]) and torch.equal(inputs[4], ref_inputs[4])
+
+
 def rotate_by_a_quarter(x):
     """Not rotate_half: the same ops (two slices, a negation, a cat) at other bounds."""
     x1, x2 = x[..., : x.shape[-1] // 4], x[..., x.shape[-1] // 4:]
