@@ -78,6 +78,15 @@ def _replace_with_call(graph: torch.fx.Graph, node: torch.fx.Node, target, args:
     return new
 
 
+def _stand_in(graph: torch.fx.Graph, gone: torch.fx.Node, kept: torch.fx.Node) -> None:
+    """``gone``'s users read ``kept`` (a node of the same value), which stands for both (``ORIGIN``),
+    and ``gone`` is erased."""
+    if ORIGIN in gone.meta:
+        kept.meta[ORIGIN] = kept.meta.get(ORIGIN, set()) | gone.meta[ORIGIN]
+    gone.replace_all_uses_with(kept)
+    graph.erase_node(gone)
+
+
 def merge_duplicate_casts(graph: torch.fx.Graph) -> int:
     """A cast (``convert_element_type(x, dtype)``) or ``unsqueeze(x, dim)`` computed twice: the
     later one's users take the first."""
@@ -88,10 +97,7 @@ def merge_duplicate_casts(graph: torch.fx.Graph) -> int:
         key = (node.target, *node.args)
         first = seen.setdefault(key, node)
         if first is not node:
-            if ORIGIN in node.meta:
-                first.meta[ORIGIN] = first.meta.get(ORIGIN, set()) | node.meta[ORIGIN]
-            node.replace_all_uses_with(first)
-            graph.erase_node(node)
+            _stand_in(graph, node, first)
             merged += 1
     return merged
 
@@ -535,10 +541,7 @@ def contiguous_copies_dropped(graph: torch.fx.Graph) -> int:
             written = _written_roots(graph)
         if root in written:
             continue
-        if ORIGIN in node.meta:
-            x.meta[ORIGIN] = x.meta.get(ORIGIN, set()) | node.meta[ORIGIN]
-        node.replace_all_uses_with(x)
-        graph.erase_node(node)
+        _stand_in(graph, node, x)
         rewritten += 1
     return rewritten
 

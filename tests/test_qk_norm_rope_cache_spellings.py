@@ -152,11 +152,15 @@ class SpelledPrologue(nn.Module):
         self.q_weight = nn.Parameter(1 + 0.1 * torch.randn(head_dim))
         self.k_weight = nn.Parameter(1 + 0.1 * torch.randn(head_dim))
 
+    def heads_first(self, x):
+        """[B, S, H, D] -> [B, H, S, D]."""
+        return x.transpose(1, 2)
+
     def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.norm(self.q_proj(hidden_states).view(shape), self.q_weight, self.eps).transpose(1, 2)
-        k = self.norm(self.k_proj(hidden_states).view(shape), self.k_weight, self.eps).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q = self.heads_first(self.norm(self.q_proj(hidden_states).view(shape), self.q_weight, self.eps))
+        k = self.heads_first(self.norm(self.k_proj(hidden_states).view(shape), self.k_weight, self.eps))
+        v = self.heads_first(self.v_proj(hidden_states).view(shape))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = self.rope(q, cos, sin, self.rotate_half)
         k = self.rope(k, cos, sin, self.rotate_half)
@@ -184,17 +188,8 @@ def test_equivalent_spellings_fuse_and_equal_eager(norm, rotation, rope):
 class ContiguousAfterTranspose(SpelledPrologue):
     """``norm(q).transpose(1, 2).contiguous()`` (and k's, v's) before the RoPE."""
 
-    def forward(self, hidden_states, cos, sin, k_cache, v_cache, cache_position):
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.norm(self.q_proj(hidden_states).view(shape), self.q_weight, self.eps).transpose(1, 2).contiguous()
-        k = self.norm(self.k_proj(hidden_states).view(shape), self.k_weight, self.eps).transpose(1, 2).contiguous()
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2).contiguous()
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = self.rope(q, cos, sin, self.rotate_half)
-        k = self.rope(k, cos, sin, self.rotate_half)
-        k_cache.index_copy_(2, cache_position, k)
-        v_cache.index_copy_(2, cache_position, v)
-        return q, q.float().sum() + k_cache.float().sum() + v_cache.float().sum()
+    def heads_first(self, x):
+        return x.transpose(1, 2).contiguous()
 
 
 def test_a_contiguous_copy_after_the_transpose_fuses_with_eagers_strides():
