@@ -493,7 +493,11 @@ _ALIASING_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.de
 
 
 def _storage_root(node):
-    while isinstance(node, torch.fx.Node) and node.target in _ALIASING_VIEWS:
+    """The node whose storage ``node`` shares: followed back through views and in-place ops (whose
+    result is their first input)."""
+    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args
+           and (node.target in _ALIASING_VIEWS or (isinstance(node.target, torch._ops.OpOverload)
+                                                   and not _returns_new_tensor(node)))):
         node = node.args[0]
     return node
 

@@ -191,6 +191,23 @@ def test_a_copy_of_a_tensor_written_later_stays():
     assert torch.equal(gm(torch.ones(2, 3)), torch.full((3, 2), 6.0))
 
 
+def test_a_copy_of_an_in_place_result_written_again_stays():
+    """``y = x.mul(2).add_(1)`` aliases the product; a later ``add_`` to the product changes y too."""
+    aten = torch.ops.aten
+
+    def build(g, x):
+        doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
+        plus_one = g.call_function(aten.add_.Tensor, (doubled, 1.0))
+        copy = g.call_function(aten.clone.default, (plus_one,))
+        g.call_function(aten.add_.Tensor, (doubled, 1.0))
+        return g.call_function(aten.mul.Tensor, (copy, 1.0))
+
+    gm = _hand_built(build)
+    assert cf.contiguous_copies_dropped(gm.graph) == 0 and _clones(gm) == 1
+    gm.recompile()
+    assert torch.equal(gm(torch.ones(2)), torch.full((2,), 3.0))
+
+
 def test_a_copy_of_a_graph_input_stays():
     """A graph input may be written by the caller's graph around this one (and is not ours to alias)."""
     gm = fwd_only(lambda x: x.transpose(0, 1).contiguous() * 2, [torch.randn(3, 4)])

@@ -177,10 +177,13 @@ FORWARD_VARIANTS = {
 }
 
 
-def variants_section(results):
+def variants_section(results, only=None):
+    """``only``: the labels of ``FORWARD_VARIANTS`` to time (the default build always), or None: all."""
     S, C, B = 2048, 0, 1
     x = forward_inputs(S, C, B, cache_len=4096, heads=(32, 8), hf_views=True)
     for label, variant in FORWARD_VARIANTS.items():
+        if only is not None and label != "qwen3" and label not in only:
+            continue
         width = variant.get("rotary_dim", D)
         qw, kw = (None, None) if variant.get("norm") == "no_weight" else (x["qw"], x["kw"])
 
@@ -199,7 +202,9 @@ def variants_section(results):
             flat["q"], flat["k"], flat["v"], x["qw"], x["kw"], x["cos"], x["sin"], key_cache, value_cache, x["pos"],
             1e-6, 1e-6)
 
-    measure(f"variant paged ({S},{C},{B})", paged, results, kind="forward_variant", S=S, C=C, B=B, variant="paged")
+    if only is None or "paged" in only:
+        measure(f"variant paged ({S},{C},{B})", paged, results, kind="forward_variant", S=S, C=C, B=B,
+                variant="paged")
     rows = [r for r in results if r.get("kind") == "forward_variant"]
     default = next(r for r in rows if r["variant"] == "qwen3")
     for r in rows:
@@ -319,6 +324,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--sections", default="forward,backward", help="comma-separated: forward, variants, backward")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated labels of FORWARD_VARIANTS (and 'paged') to time; default all")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("diagnose_device_time.py measures GPU time; no CUDA device here, nothing to do.")
@@ -329,7 +336,7 @@ def main() -> int:
     if "forward" in args.sections:
         forward_section(results)
     if "variants" in args.sections:
-        variants_section(results)
+        variants_section(results, None if args.variants is None else set(args.variants.split(",")))
     if "backward" in args.sections:
         backward_section(results)
     with open(os.path.join(args.out, "diagnose-device-time.json"), "w") as f:
