@@ -156,13 +156,17 @@ def _norm_rope_interleaved(
     values of the model dtype): ``cos[..., d]``/``sin[..., d]`` are feature d's table entries (the
     tables' dtype), ``rope(y) = y * cos + rotate_half_interleaved(y) * sin``, each product
     rounded, then the sum; with ``ROTARY_DIM < HEAD_DIM`` only the first ``ROTARY_DIM`` features
-    (whole pairs), the others passed through. Norm first, ``w`` is the weight's rows
-    (``_weight_rows``, loaded once per program); RoPE first, they are loaded here, after the RoPE:
-    held through it, they would take registers the RoPE needs (see NOTES-forward.md, session 18).
+    (whole pairs), the others passed through. Norm first with full rotary, ``w`` is the weight's
+    rows (``_weight_rows``, loaded once per program); otherwise they are loaded here, per block:
+    RoPE first after the RoPE, partial rotary before the norm. Held through the blocks they cost
+    resident programs: RoPE first 108-115 registers instead of 90, partial rotary (beside its
+    select mask) 89 instead of 80 on sm_90 (NOTES-forward.md, sessions 18 and 19).
     Returns the rows rounded to ``dtype`` (held in fp32)."""
     if ROPE_FIRST:
         y = x
     else:
+        if ROTARY_DIM != HEAD_DIM and NORM_STYLE != 3:
+            w = _weight_rows(weight_ptr, feats, f_mask, HEADS, TOKENS)
         y = _weighted(x * _rstd(x, eps, HEAD_DIM, INTERPRETED)[:, :, None], w, in_dtype, dtype, NORM_STYLE,
                       INTERPRETED)
     # The tables stay in their dtype until here: half the registers.
@@ -465,10 +469,10 @@ def _norm_rope_interleaved_blocks(
                   other=0.0)
     sin = tl.load(sin_ptr + batch * stride_sin_b + table_row * stride_sin_s + feats[None, None, :], mask=t_mask,
                   other=0.0)
-    if NORM_STYLE != 3 and not ROPE_FIRST:
+    if NORM_STYLE != 3 and not ROPE_FIRST and ROTARY_DIM == HEAD_DIM:
         w = _weight_rows(weight_ptr, feats, f_mask, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM)  # every block's first use
     else:
-        w = 1.0  # loaded after each block's RoPE (RoPE first), or unused (the weight-free form)
+        w = 1.0  # loaded per block (RoPE first, partial rotary), or unused (the weight-free form)
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         head_ok = offs_h < heads_total

@@ -145,3 +145,13 @@ def test_partial_rotary_selects_packed_pairs(variant):
     # ptxas keeps one 4-byte value of the non-interleaved build on the stack (one store and one
     # load a lane, at 80 registers; Triton 3.7, 2026-12-03).
     assert 0 < r["registers"] <= 96 and r["spill_bytes"] <= 4, r
+
+
+def test_interleaved_partial_norm_first_keeps_six_programs_per_sm():
+    """Interleaved partial rotary with the norm first loads the weight rows per block: held across
+    the blocks beside the select mask they took 89 registers (five 4-warp programs per SM instead of
+    six) and ran 1.055-1.070x the default build on the H200, against 1.039-1.046x loaded per block
+    (``benchmarks/NOTES-forward.md``, session 19)."""
+    r = report()["forward_graph_bf16_d128_streaming_interleaved_partial_rotary_64"]
+    assert r["ok"], r.get("error")
+    assert 0 < r["registers"] <= 80 and r["spill_bytes"] == 0, r
