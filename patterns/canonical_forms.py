@@ -30,6 +30,11 @@ and slices (``rotate_half``), never written              changes the layout of v
 first (its slices taken second half first)
 ======================================================  ==========================================
 
+One more, for the forward family only (``half_table_rotations_as_rotate_half``, called from
+``qk_norm_rope_cache.apply``: it makes new nodes, which the training families could not map back):
+``cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)`` (half-width tables) -> ``x * cat(c, c) + cat(-x2, x1)
+* cat(s, s)``.
+
 Each rewrite is local and value-preserving, so a graph that then matches nothing computes what
 it did before (the nodes differ, the values do not). The patterns are traced through the same
 rewrites (``fusion_pass.matching.trace_as_post_grad``), so the canonical form is whatever the
@@ -546,6 +551,111 @@ def contiguous_copies_dropped(graph: torch.fx.Graph) -> int:
         if root in written:
             continue
         _stand_in(graph, node, x)
+        rewritten += 1
+    return rewritten
+
+
+def _half_of(node):
+    """(x, 0 or 1) where ``node`` is ``x[..., :D // 2]`` or ``x[..., D // 2:]`` (slices in one form,
+    along x's last dim), else None."""
+    if not isinstance(node, torch.fx.Node) or node.target is not aten.slice.Tensor or len(node.args) != 4:
+        return None
+    x, dim, start, end = node.args
+    shape = _shape(x)
+    if shape is None or dim != len(shape) - 1 or not isinstance(shape[-1], int) or shape[-1] % 2:
+        return None
+    half = shape[-1] // 2
+    return (x, 0) if (start, end) == (0, half) else (x, 1) if (start, end) == (half, sys.maxsize) else None
+
+
+def _products_of_halves(node) -> list:
+    """Every reading of ``node`` as ``half * table`` (either order): [(x, 0 or 1, half, table)]."""
+    if not isinstance(node, torch.fx.Node) or node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
+        return []
+    readings = []
+    for half, table in (node.args, node.args[::-1]):
+        found = _half_of(half)
+        if found is not None and isinstance(table, torch.fx.Node):
+            readings.append((*found, half, table))
+    return readings
+
+
+def _hf_rotation_values(x, x1, x2, cos, sin):
+    """Meta values of ``half_table_rotations_as_rotate_half``'s nodes, computed on the inputs' fake
+    values: (cat(c, c), cat(s, s), -x2, cat(-x2, x1), x * cos, rotated * sin, their sum)."""
+    mode = torch._guards.detect_fake_mode([_val(x)])
+    with mode:
+        # A graph made by a tracer that gives nodes fake modes of their own (pattern_matcher.fwd_only
+        # does): values of x's mode with the same sizes, strides and dtype.
+        xv, x1v, x2v, cv, sv = (v if getattr(v, "fake_mode", None) is mode
+                                else torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                                for v in (_val(n) for n in (x, x1, x2, cos, sin)))
+        full_cos, full_sin, neg = torch.cat([cv, cv], -1), torch.cat([sv, sv], -1), torch.neg(x2v)
+        rotated = torch.cat([neg, x1v], -1)
+        x_cos, rotated_sin = xv * full_cos, rotated * full_sin
+        return full_cos, full_sin, neg, rotated, x_cos, rotated_sin, x_cos + rotated_sin
+
+
+def _full_table(graph: torch.fx.Graph, half: torch.fx.Node, made: dict, value) -> torch.fx.Node:
+    """``cat((half, half), -1)``, made once per half table (right after it) and kept in ``made``; two
+    slices of one table at the same bounds (``apply_rotary``'s ``cos[..., :d]`` for q, then for k)
+    are one half table."""
+    key = (half.target, half.args) if half.target is aten.slice.Tensor else half
+    if key not in made:
+        anchor = half if half.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(anchor):
+            made[key] = graph.call_function(aten.cat.default, ([half, half], -1))
+        made[key].meta["val"] = value
+    return made[key]
+
+
+def half_table_rotations_as_rotate_half(graph: torch.fx.Graph) -> int:
+    """RoPE with half-width tables, ``cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)`` (x1, x2 the
+    halves of x; vLLM's ``forward_native``, flash-attn's reference) -> Hugging Face's
+    ``x * cat(c, c) + cat(-x2, x1) * cat(s, s)``: the same products (``-x2 * s`` is ``-(x2 * s)``) and
+    sums (``a - b`` is ``a + -b``), rounded alike. Forward family only (``qk_norm_rope_cache.apply``):
+    the rewrite makes new nodes, which the training families could not map back to the graph's."""
+    rewritten, full_tables = 0, {}
+    for node in list(graph.nodes):
+        if (node.op != "call_function" or node.target is not aten.cat.default or len(node.args) != 2
+                or node.args[1] != -1 or len(node.args[0]) != 2 or node.kwargs):
+            continue
+        first, second = node.args[0]
+        if not (isinstance(first, torch.fx.Node) and first.target is aten.sub.Tensor and len(first.args) == 2
+                and not first.kwargs and isinstance(second, torch.fx.Node) and second.target is aten.add.Tensor
+                and len(second.args) == 2 and not second.kwargs):
+            continue
+        readings = [_products_of_halves(t) for t in (*first.args, *second.args)]
+        xs = set.intersection(*({r[0] for r in found} for found in readings))
+        if len(xs) != 1:
+            continue
+        x = xs.pop()
+        # first = x1 * c - x2 * s; second = x2 * c + x1 * s, its terms in either order
+        terms = [next(r for r in found if r[0] is x) for found in readings]
+        (_, half_a, x1, cos), (_, half_b, x2, sin) = terms[:2]
+        if ((half_a, half_b) != (0, 1) or {terms[2][1]: terms[2][3], terms[3][1]: terms[3][3]} != {1: cos, 0: sin}
+                or any((_half_of(t) or (None,))[0] is x for t in (cos, sin))):
+            continue
+        try:
+            values = _hf_rotation_values(x, x1, x2, cos, sin)
+        except Exception:  # noqa: BLE001  (tables that do not broadcast into x: not a RoPE)
+            continue
+        if values[-1].shape != _val(node).shape or values[-1].dtype != _val(node).dtype:
+            continue
+        # One full table per half table: q's and k's RoPE then read the same node, as the patterns'.
+        full_cos, full_sin = (_full_table(graph, t, full_tables, v) for t, v in ((cos, values[0]), (sin, values[1])))
+        with graph.inserting_before(node):
+            x_cos = graph.call_function(aten.mul.Tensor, (x, full_cos))
+            neg = graph.call_function(aten.neg.default, (x2,))
+            rotated = graph.call_function(aten.cat.default, ([neg, x1], -1))
+            rotated_sin = graph.call_function(aten.mul.Tensor, (rotated, full_sin))
+            total = graph.call_function(aten.add.Tensor, (x_cos, rotated_sin))
+        for new, value in zip((neg, rotated, x_cos, rotated_sin, total), values[2:]):
+            new.meta["val"] = value
+        node.replace_all_uses_with(total)
+        for dead in (node, first, second, *first.args, *second.args):
+            if not dead.users:
+                graph.erase_node(dead)
         rewritten += 1
     return rewritten
 

@@ -86,7 +86,7 @@ from fusion_pass.patterns.cache_write_forms import (
     normalize_flat_cache_views,
     restore_unfused_slice_writes,
 )
-from fusion_pass.patterns.canonical_forms import canonicalize
+from fusion_pass.patterns.canonical_forms import canonicalize, half_table_rotations_as_rotate_half
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
 from fusion_pass.patterns.qk_norm_rope_cache_near_misses import REFUSED, near_miss_pass, report_unmatched_prologues
 from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
@@ -556,6 +556,7 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
     # Inductor lowers them to nothing and erases them later in its post-grad passes anyway.
     remove_assert_ops(graph)
     canonicalize(graph)
+    half_table_rotations_as_rotate_half(graph)
     drop_batch_of_one_reshapes(graph)
     normalize_flat_cache_views(graph)
     rewrites = canonicalize_slice_writes(graph)

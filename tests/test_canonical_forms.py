@@ -212,3 +212,26 @@ def test_a_copy_of_a_graph_input_stays():
     """A graph input may be written by the caller's graph around this one (and is not ours to alias)."""
     gm = fwd_only(lambda x: x.transpose(0, 1).contiguous() * 2, [torch.randn(3, 4)])
     assert cf.contiguous_copies_dropped(gm.graph) == 0 and _clones(gm) == 1
+
+
+def half_table_rope(x, cos, sin):
+    c, s = cos[..., :D // 2], sin[..., :D // 2]
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1), torch.cat((c * x2 - s * x1, s * x2 + x1 * c), -1)
+
+
+def test_half_table_rotations_keep_every_bit():
+    """Both the RoPE of x and a look-alike (x's halves swapped, so not x's rotation) traced; only the
+    first is rewritten, and the graph gives the same bits."""
+    def make(g):
+        return [torch.randn(2, 4, 5, D, generator=g).bfloat16(), torch.randn(2, 1, 5, D, generator=g).bfloat16(),
+                torch.randn(2, 1, 5, D, generator=g).bfloat16()]
+
+    gm = fwd_only(half_table_rope, make(torch.Generator().manual_seed(0)))
+    cf.canonicalize(gm.graph)
+    assert cf.half_table_rotations_as_rotate_half(gm.graph) == 1
+    gm.recompile()
+    for seed in range(5):
+        args = make(torch.Generator().manual_seed(seed))
+        got, want = _outputs(gm, args), _outputs(half_table_rope, args)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -136,7 +136,23 @@ def rope_methods(x, cos, sin, rotate_half):
     return x.mul(cos).add(torch.mul(rotate_half(x), sin))
 
 
-ROPES = {"hf": rope_hf, "commuted": rope_commuted, "methods": rope_methods}
+def rope_half_tables(x, cos, sin, rotate_half):
+    """Half-width tables, each half rotated by hand (vLLM's ``forward_native``, flash-attn's reference)."""
+    d = x.shape[-1] // 2
+    c, s = cos[..., :d], sin[..., :d]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def rope_half_tables_commuted(x, cos, sin, rotate_half):
+    d = x.shape[-1] // 2
+    c, s = cos[..., :d], sin[..., :d]
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat((c * x1 - s * x2, s * x1 + c * x2), dim=-1)
+
+
+ROPES = {"hf": rope_hf, "commuted": rope_commuted, "methods": rope_methods, "half_tables": rope_half_tables,
+         "half_tables_commuted": rope_half_tables_commuted}
 
 
 class SpelledPrologue(nn.Module):
@@ -236,7 +252,16 @@ def rope_addcmul(x, cos, sin, rotate_half):
     return torch.addcmul(x * cos, rotate_half(x), sin)
 
 
+def rope_half_tables_swapped(x, cos, sin, rotate_half):
+    """The second half's terms with the tables swapped: no rotation."""
+    d = x.shape[-1] // 2
+    c, s = cos[..., :d], sin[..., :d]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * s + x1 * c), dim=-1)
+
+
 UNRECOGNIZED = {"divided_by_root": (rms_norm_divided_by_root, rotate_half_slices, rope_hf),
+                "half_tables_swapped": (rms_norm_qwen3, rotate_half_slices, rope_half_tables_swapped),
                 "roll": (rms_norm_qwen3, rotate_half_by_roll, rope_hf),
                 "addcmul": (rms_norm_qwen3, rotate_half_slices, rope_addcmul)}
 
