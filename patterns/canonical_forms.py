@@ -24,16 +24,16 @@ model code                                              canonical form
                                                         along its last dim, of 3 or more dims)
 ``h.sum(-1, keepdim=True) / D`` (D a power of two)       ``h.mean(-1, keepdim=True)`` (the same division)
 ``h.mean(-1).unsqueeze(-1)``, ``h.mean(-1)[..., None]``  ``h.mean(-1, keepdim=True)``
-``x.transpose(1, 2).contiguous()`` read by arithmetic   ``x.transpose(1, 2)`` (a copy that only
-and slices (``rotate_half``), never written              changes the layout of values read one by one)
 (training) ``rotate_half``'s backward sum, first half   the second half's term first
 first (its slices taken second half first)
 ======================================================  ==========================================
 
-One more, for the forward family only (``half_table_rotations_as_rotate_half``, called from
-``qk_norm_rope_cache.apply``: it makes new nodes, which the training families could not map back):
-``cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)`` (half-width tables) -> ``x * cat(c, c) + cat(-x2, x1)
-* cat(s, s)``.
+Two more, for the forward family only (called from ``qk_norm_rope_cache.apply``, and undone there
+where no fusion used them: they change the layout Inductor gives the readers, which a
+stride-sensitive op further on would see): ``clone(x)`` read only element by element (``.contiguous()``
+after the transpose) -> ``x`` (``contiguous_copies_dropped``); ``cat((x1 * c - x2 * s, x2 * c + x1 *
+s), -1)`` (half-width tables) -> ``x * cat(c, c) + cat(-x2, x1) * cat(s, s)``
+(``half_table_rotations_as_rotate_half``).
 
 Each rewrite is local and value-preserving, so a graph that then matches nothing computes what
 it did before (the nodes differ, the values do not). The patterns are traced through the same
@@ -498,12 +498,16 @@ _ALIASING_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.de
 
 
 def _storage_root(node):
-    """The node whose storage ``node`` shares: followed back through views and in-place ops (whose
-    result is their first input)."""
-    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args
-           and (node.target in _ALIASING_VIEWS or (isinstance(node.target, torch._ops.OpOverload)
-                                                   and not _returns_new_tensor(node)))):
-        node = node.args[0]
+    """The node whose storage ``node`` shares: followed back through views, the items of views
+    (``split``'s), in-place ops (their first input) and ``out=`` ops (their ``out``)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args:
+        if "out" in node.kwargs:
+            node = node.kwargs["out"]
+        elif (node.target in _ALIASING_VIEWS or node.target is operator.getitem
+              or (isinstance(node.target, torch._ops.OpOverload) and not _returns_new_tensor(node))):
+            node = node.args[0]
+        else:
+            break
     return node
 
 
@@ -525,19 +529,21 @@ def _written_roots(graph: torch.fx.Graph) -> set:
         for i, arg in enumerate(node.target._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                roots.add(_storage_root(value))
+                for written in (value if isinstance(value, (list, tuple)) else [value]):
+                    if isinstance(written, torch.fx.Node):
+                        roots.add(_storage_root(written))
     return roots
 
 
-def contiguous_copies_dropped(graph: torch.fx.Graph) -> int:
+def contiguous_copies_dropped(graph: torch.fx.Graph) -> list:
     """``clone(x)`` (``x.transpose(1, 2).contiguous()``) read only element by element
     (``_read_elementwise_only``) -> ``x``: the same values, read through x's strides. Kept where
-    ``x`` may be written in place (the copy then protects a value) or is a graph input. The
-    readers keep their recorded values (fake tensors with the copy's strides), as nodes keep them
-    after Inductor's own pattern replacements: Inductor lays out intermediates itself and gives
-    the graph's outputs the recorded strides."""
+    ``x`` may be written in place (the copy then protects a value) or is a graph input. Returns what
+    was dropped: ``restore_unfused_copies`` puts back the copies whose readers no fusion took, since
+    Inductor then lays the readers out from x's strides (a stride-sensitive op further on would
+    see another layout than eager's). Forward family only (``qk_norm_rope_cache.apply``)."""
     written = None
-    rewritten = 0
+    dropped = []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.clone.default or not isinstance(node.args[0],
                                                                                                   torch.fx.Node):
@@ -550,9 +556,32 @@ def contiguous_copies_dropped(graph: torch.fx.Graph) -> int:
             written = _written_roots(graph)
         if root in written:
             continue
+        dropped.append((x, dict(node.kwargs), node.meta.get("val"), list(node.users)))
         _stand_in(graph, node, x)
-        rewritten += 1
-    return rewritten
+    return dropped
+
+
+def _still_there(graph: torch.fx.Graph, nodes) -> list:
+    """The nodes of ``nodes`` still in ``graph`` (a fusion erases the ones it replaced), in graph order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted((n for n in nodes if n in order), key=order.__getitem__)
+
+
+def restore_unfused_copies(graph: torch.fx.Graph, dropped: list) -> int:
+    """Undo ``contiguous_copies_dropped`` for the readers no fusion replaced: a copy of x again,
+    before the first of them, which they read instead of x. Returns the number put back."""
+    restored = 0
+    for x, kwargs, val, readers in dropped:
+        left = [r for r in _still_there(graph, readers) if x in r.all_input_nodes]
+        if not left:
+            continue
+        with graph.inserting_before(left[0]):
+            copy = graph.call_function(aten.clone.default, (x,), kwargs)
+        copy.meta["val"] = val
+        for reader in left:
+            reader.replace_input_with(x, copy)
+        restored += 1
+    return restored
 
 
 def _half_of(node):
@@ -609,13 +638,13 @@ def _full_table(graph: torch.fx.Graph, half: torch.fx.Node, made: dict, value) -
     return made[key]
 
 
-def half_table_rotations_as_rotate_half(graph: torch.fx.Graph) -> int:
+def half_table_rotations_as_rotate_half(graph: torch.fx.Graph) -> list:
     """RoPE with half-width tables, ``cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)`` (x1, x2 the
     halves of x; vLLM's ``forward_native``, flash-attn's reference) -> Hugging Face's
     ``x * cat(c, c) + cat(-x2, x1) * cat(s, s)``: the same products (``-x2 * s`` is ``-(x2 * s)``) and
-    sums (``a - b`` is ``a + -b``), rounded alike. Forward family only (``qk_norm_rope_cache.apply``):
-    the rewrite makes new nodes, which the training families could not map back to the graph's."""
-    rewritten, full_tables = 0, {}
+    sums (``a - b`` is ``a + -b``), rounded alike. Returns what was rewritten, for
+    ``restore_unfused_half_table_rotations``. Forward family only (``qk_norm_rope_cache.apply``)."""
+    rewritten, full_tables = [], {}
     for node in list(graph.nodes):
         if (node.op != "call_function" or node.target is not aten.cat.default or len(node.args) != 2
                 or node.args[1] != -1 or len(node.args[0]) != 2 or node.kwargs):
@@ -653,11 +682,50 @@ def half_table_rotations_as_rotate_half(graph: torch.fx.Graph) -> int:
         for new, value in zip((neg, rotated, x_cos, rotated_sin, total), values[2:]):
             new.meta["val"] = value
         node.replace_all_uses_with(total)
+        rewritten.append((total, (first.target, [(p.target, p.args, _val(p)) for p in first.args], _val(first)),
+                          (second.target, [(p.target, p.args, _val(p)) for p in second.args], _val(second)),
+                          node.args[1], _val(node)))
         for dead in (node, first, second, *first.args, *second.args):
             if not dead.users:
                 graph.erase_node(dead)
-        rewritten += 1
     return rewritten
+
+
+def restore_unfused_half_table_rotations(graph: torch.fx.Graph, rewritten: list) -> int:
+    """Undo ``half_table_rotations_as_rotate_half`` where no fusion replaced the rotation: the
+    model's own ops again, operands in their order (Inductor then lays them out, and contracts
+    them into FMAs on the GPU, as without the pass). Returns the number put back."""
+    restored = 0
+    for total, first, second, dim, val in rewritten:
+        if not _still_there(graph, [total]):
+            continue
+        with graph.inserting_before(total):
+            halves = []
+            for target, products, half_val in (first, second):
+                terms = []
+                for mul, args, term_val in products:
+                    terms.append(graph.call_function(mul, args))
+                    terms[-1].meta["val"] = term_val
+                halves.append(graph.call_function(target, tuple(terms)))
+                halves[-1].meta["val"] = half_val
+            original = graph.call_function(aten.cat.default, (halves, dim))
+        original.meta["val"] = val
+        total.replace_all_uses_with(original)
+        _erase_unused(graph, [total])
+        restored += 1
+    return restored
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes: list) -> None:
+    """Erase ``nodes`` and then, as they become unused, the nodes they read (never a placeholder)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.users or node.op != "call_function" or node.graph is not graph:
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        stack.extend(inputs)
 
 
 def canonicalize(graph: torch.fx.Graph) -> int:
@@ -666,4 +734,4 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             + inverse_square_root_powers_as_rsqrt(graph) + negative_units_as_neg(graph) + scalar_adds_as_tensor_adds(graph)
             + half_splits_as_slices(graph) + half_unbinds_as_slices(graph) + slices_in_one_form(graph)
             + dims_from_the_end(graph) + sums_over_size_as_means(graph) + unsqueezed_means_as_keepdim(graph)
-            + broadcast_factors_second(graph) + rotation_terms_second(graph) + contiguous_copies_dropped(graph))
+            + broadcast_factors_second(graph) + rotation_terms_second(graph))

@@ -86,7 +86,13 @@ from fusion_pass.patterns.cache_write_forms import (
     normalize_flat_cache_views,
     restore_unfused_slice_writes,
 )
-from fusion_pass.patterns.canonical_forms import canonicalize, half_table_rotations_as_rotate_half
+from fusion_pass.patterns.canonical_forms import (
+    canonicalize,
+    contiguous_copies_dropped,
+    half_table_rotations_as_rotate_half,
+    restore_unfused_copies,
+    restore_unfused_half_table_rotations,
+)
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
 from fusion_pass.patterns.qk_norm_rope_cache_near_misses import REFUSED, near_miss_pass, report_unmatched_prologues
 from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
@@ -549,14 +555,16 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
     Equivalent spellings of the norm and of ``rotate_half`` are first rewritten to the one the
     patterns match (``canonical_forms``: exact, value-preserving rewrites). Slice-assigned cache
     writes are rewritten as index_put writes at ``arange(start, end)`` so that one pattern covers
-    both; the ones no fusion consumed are put back as they were.
+    both; the ones no fusion consumed are put back as they were, and so are two rewrites that
+    change a layout (a dropped ``.contiguous()`` copy, half-width-table RoPE read as Hugging Face's).
     """
     # torch.export puts an aten._assert_tensor_metadata on every .to(dtype) result: an extra user
     # of the norm's intermediates, it hid every prologue of an exported program (AOTInductor).
     # Inductor lowers them to nothing and erases them later in its post-grad passes anyway.
     remove_assert_ops(graph)
     canonicalize(graph)
-    half_table_rotations_as_rotate_half(graph)
+    copies = contiguous_copies_dropped(graph)
+    rotations = half_table_rotations_as_rotate_half(graph)
     drop_batch_of_one_reshapes(graph)
     normalize_flat_cache_views(graph)
     rewrites = canonicalize_slice_writes(graph)
@@ -566,4 +574,6 @@ def apply(graph: torch.fx.Graph, pass_dict) -> int:
     restore_unfused_slice_writes(graph, rewrites)
     near_miss_pass(FAMILY.name).apply(graph)
     report_unmatched_prologues(graph, FAMILY.name)
+    restore_unfused_half_table_rotations(graph, rotations)
+    restore_unfused_copies(graph, copies)
     return count

@@ -317,3 +317,49 @@ def test_an_unrecognized_rope_before_the_norm_is_reported_with_its_order():
     assert_left_unfused(RopeFirstPrologue(rms_norm_qwen3, rotate_half_by_roll).to(torch.bfloat16), list(make_inputs()))
     assert [(m.reason.split(":")[0], n) for m, n in fusion_pass.near_misses().items()] == [
         ("per-head RMSNorm after a RoPE left unfused", 2)]
+
+
+_STRIDES_SEEN: list = []
+
+
+@torch.library.custom_op("fusion_pass_test::memory_order", mutates_args=(), tags=(torch.Tag.needs_fixed_stride_order,))
+def memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A stride-sensitive op (it reads memory in storage order), as a custom attention kernel is."""
+    _STRIDES_SEEN.append(t.stride())
+    return t.as_strided((t.numel(),), (1,), t.storage_offset()).clone()
+
+
+@memory_order.register_fake
+def _(t):
+    return t.new_empty(t.numel())
+
+
+def unfused_half_table_rope(h, w, cos, sin):
+    """A half-table RoPE with no norm before it (nothing to fuse), read by a stride-sensitive op."""
+    q = (h @ w).view(*h.shape[:2], -1, 16).transpose(1, 2)
+    c, s = cos[:, None], sin[:, None]
+    x1, x2 = q[..., :8], q[..., 8:]
+    return memory_order(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1))
+
+
+def unfused_contiguous_copy(h, w, cos, sin):
+    """A ``.contiguous()`` read by arithmetic, then a stride-sensitive op (no prologue to fuse)."""
+    return memory_order((h @ w).view(*h.shape[:2], -1, 16).transpose(1, 2).contiguous() * cos[:, None].repeat(1, 1, 1, 2))
+
+
+@pytest.mark.parametrize("fn", [unfused_half_table_rope, unfused_contiguous_copy], ids=["half_tables", "contiguous"])
+def test_rewrites_no_fusion_used_leave_eagers_layout(fn):
+    """Where nothing fuses, the layout-changing rewrites are undone: a stride-sensitive op further on
+    sees the strides (and so the values) it sees without the pass (a copy dropped for good handed it
+    the transposed layout: other values)."""
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 7, 64, generator=g), torch.randn(64, 64, generator=g),
+            torch.randn(2, 7, 8, generator=g), torch.randn(2, 7, 8, generator=g)]
+    _STRIDES_SEEN.clear()
+    want = torch.compile(fn)(*args)
+    stock_strides = list(_STRIDES_SEEN)
+    torch._dynamo.reset()
+    fusion_pass.install(devices="cpu")
+    _STRIDES_SEEN.clear()
+    got = torch.compile(fn)(*args)
+    assert _STRIDES_SEEN == stock_strides and torch.equal(got, want)
