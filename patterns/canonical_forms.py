@@ -629,7 +629,7 @@ def _full_table(graph: torch.fx.Graph, half: torch.fx.Node, made: dict, value) -
     """``cat((half, half), -1)``, made once per half table (right after it) and kept in ``made``; two
     slices of one table at the same bounds (``apply_rotary``'s ``cos[..., :d]`` for q, then for k)
     are one half table."""
-    key = (half.target, half.args) if half.target is aten.slice.Tensor else half
+    key = (half.target, half.args, tuple(half.kwargs.items())) if half.target is aten.slice.Tensor else half
     if key not in made:
         anchor = half if half.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(anchor):
