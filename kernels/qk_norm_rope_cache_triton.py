@@ -150,14 +150,14 @@ def _norm_rope_interleaved(
     x, w, weight_ptr, feats, f_mask, eps, cos, sin,
     in_dtype: tl.constexpr, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
     TOKENS: tl.constexpr, HALF_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
-    ROPE_FIRST: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    ROPE_FIRST: tl.constexpr, ROTARY_DIM: tl.constexpr, WEIGHT_HOISTED: tl.constexpr,
 ):
     """``_norm_rope`` of interleaved (GPT-J) pairs on whole ``[heads, tokens, D]`` rows (fp32,
     values of the model dtype): ``cos[..., d]``/``sin[..., d]`` are feature d's table entries (the
     tables' dtype), ``rope(y) = y * cos + rotate_half_interleaved(y) * sin``, each product
     rounded, then the sum; with ``ROTARY_DIM < HEAD_DIM`` only the first ``ROTARY_DIM`` features
-    (whole pairs), the others passed through. Norm first with full rotary, ``w`` is the weight's
-    rows (``_weight_rows``, loaded once per program); otherwise they are loaded here, per block:
+    (whole pairs), the others passed through. ``WEIGHT_HOISTED`` (norm first, full rotary): ``w`` is
+    the weight's rows, loaded once per program; otherwise they are loaded here, per block:
     RoPE first after the RoPE, partial rotary before the norm. Held through the blocks they cost
     resident programs: RoPE first 108-115 registers instead of 90, partial rotary (beside its
     select mask) 89 instead of 80 on sm_90 (NOTES-forward.md, sessions 18 and 19).
@@ -165,7 +165,7 @@ def _norm_rope_interleaved(
     if ROPE_FIRST:
         y = x
     else:
-        if ROTARY_DIM != HEAD_DIM and NORM_STYLE != 3:
+        if NORM_STYLE != 3 and not WEIGHT_HOISTED:
             w = _weight_rows(weight_ptr, feats, f_mask, HEADS, TOKENS)
         y = _weighted(x * _rstd(x, eps, HEAD_DIM, INTERPRETED)[:, :, None], w, in_dtype, dtype, NORM_STYLE,
                       INTERPRETED)
@@ -176,7 +176,7 @@ def _norm_rope_interleaved(
     if ROTARY_DIM != HEAD_DIM:
         r = select_rounded((feats < ROTARY_DIM)[None, None, :], r, y, dtype, INTERPRETED)
     if ROPE_FIRST:
-        if NORM_STYLE != 3:
+        if NORM_STYLE != 3:  # never hoisted in this order
             w = _weight_rows(weight_ptr, feats, f_mask, HEADS, TOKENS)
         r = _weighted(r * _rstd(r, eps, HEAD_DIM, INTERPRETED)[:, :, None], w, dtype, dtype, NORM_STYLE, INTERPRETED)
     return r
@@ -469,7 +469,8 @@ def _norm_rope_interleaved_blocks(
                   other=0.0)
     sin = tl.load(sin_ptr + batch * stride_sin_b + table_row * stride_sin_s + feats[None, None, :], mask=t_mask,
                   other=0.0)
-    if NORM_STYLE != 3 and not ROPE_FIRST and ROTARY_DIM == HEAD_DIM:
+    WEIGHT_HOISTED: tl.constexpr = NORM_STYLE != 3 and not ROPE_FIRST and ROTARY_DIM == HEAD_DIM
+    if WEIGHT_HOISTED:
         w = _weight_rows(weight_ptr, feats, f_mask, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM)  # every block's first use
     else:
         w = 1.0  # loaded per block (RoPE first, partial rotary), or unused (the weight-free form)
@@ -479,6 +480,7 @@ def _norm_rope_interleaved_blocks(
         out = _norm_rope_interleaved(
             rows[i], w, weight_ptr, feats, f_mask, eps, cos, sin, x_ptr.dtype.element_ty, dtype, HEAD_DIM,
             HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, HALF_BLOCK, INTERPRETED, NORM_STYLE, ROPE_FIRST, ROTARY_DIM,
+            WEIGHT_HOISTED,
         ).to(dtype)
         offs = _tile_offsets(batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, feats)
         tl.store(out_ptr + offs, out, mask=(head_ok[:, None] & token_mask[None, :])[:, :, None] & f_mask[None, None, :])

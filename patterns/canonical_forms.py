@@ -561,18 +561,22 @@ def contiguous_copies_dropped(graph: torch.fx.Graph) -> list:
     return dropped
 
 
-def _still_there(graph: torch.fx.Graph, nodes) -> list:
-    """The nodes of ``nodes`` still in ``graph`` (a fusion erases the ones it replaced), in graph order."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+def _still_there(order: dict, nodes) -> list:
+    """The nodes of ``nodes`` still in the graph whose ``order`` (node -> position, ``_positions``) is
+    given (a fusion erases the ones it replaced), in graph order."""
     return sorted((n for n in nodes if n in order), key=order.__getitem__)
+
+
+def _positions(graph: torch.fx.Graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def restore_unfused_copies(graph: torch.fx.Graph, dropped: list) -> int:
     """Undo ``contiguous_copies_dropped`` for the readers no fusion replaced: a copy of x again,
     before the first of them, which they read instead of x. Returns the number put back."""
-    restored = 0
+    restored, order = 0, _positions(graph)
     for x, kwargs, val, readers in dropped:
-        left = [r for r in _still_there(graph, readers) if x in r.all_input_nodes]
+        left = [r for r in _still_there(order, readers) if x in r.all_input_nodes]
         if not left:
             continue
         with graph.inserting_before(left[0]):
@@ -695,9 +699,9 @@ def restore_unfused_half_table_rotations(graph: torch.fx.Graph, rewritten: list)
     """Undo ``half_table_rotations_as_rotate_half`` where no fusion replaced the rotation: the
     model's own ops again, operands in their order (Inductor then lays them out, and contracts
     them into FMAs on the GPU, as without the pass). Returns the number put back."""
-    restored = 0
+    restored, alive = 0, set(graph.nodes)
     for total, first, second, dim, val in rewritten:
-        if not _still_there(graph, [total]):
+        if total not in alive:
             continue
         with graph.inserting_before(total):
             halves = []

@@ -13,6 +13,7 @@ from torch._inductor.pattern_matcher import fwd_only
 from fusion_pass.patterns import canonical_forms as cf
 
 D = 16
+aten = torch.ops.aten
 
 
 def norm_spellings(x):
@@ -169,37 +170,42 @@ def test_a_copy_read_through_a_view_stays():
     assert cf.contiguous_copies_dropped(gm.graph) == [] and _clones(gm) == 1
 
 
-def test_a_copy_of_a_tensor_written_later_stays():
+def _copy_of_a_tensor_written_later(g, x):
     """The copy holds the value from before the in-place add; read through x, it would see the add."""
-    aten = torch.ops.aten
-
-    def build(g, x):
-        doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
-        copy = g.call_function(aten.clone.default, (g.call_function(aten.t.default, (doubled,)),))
-        g.call_function(aten.add_.Tensor, (doubled, 1.0))
-        return g.call_function(aten.mul.Tensor, (copy, 3.0))
-
-    gm = _hand_built(build)
-    assert cf.contiguous_copies_dropped(gm.graph) == [] and _clones(gm) == 1
-    gm.recompile()
-    assert torch.equal(gm(torch.ones(2, 3)), torch.full((3, 2), 6.0))
+    doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
+    copy = g.call_function(aten.clone.default, (g.call_function(aten.t.default, (doubled,)),))
+    g.call_function(aten.add_.Tensor, (doubled, 1.0))
+    return g.call_function(aten.mul.Tensor, (copy, 3.0))
 
 
-def test_a_copy_of_an_in_place_result_written_again_stays():
+def _copy_of_an_in_place_result_written_again(g, x):
     """``y = x.mul(2).add_(1)`` aliases the product; a later ``add_`` to the product changes y too."""
-    aten = torch.ops.aten
+    doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
+    copy = g.call_function(aten.clone.default, (g.call_function(aten.add_.Tensor, (doubled, 1.0)),))
+    g.call_function(aten.add_.Tensor, (doubled, 1.0))
+    return g.call_function(aten.mul.Tensor, (copy, 1.0))
 
-    def build(g, x):
-        doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
-        plus_one = g.call_function(aten.add_.Tensor, (doubled, 1.0))
-        copy = g.call_function(aten.clone.default, (plus_one,))
-        g.call_function(aten.add_.Tensor, (doubled, 1.0))
-        return g.call_function(aten.mul.Tensor, (copy, 1.0))
 
+def _copy_of_a_split_written_later(g, x):
+    """``y = x.mul(2).split(2)[0]`` shares the product's storage; an ``add_`` to y later changes the
+    copy's source (a write followed back through ``getitem`` of a view op)."""
+    doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
+    first = g.call_function(operator.getitem, (g.call_function(aten.split.Tensor, (doubled, 2)), 0))
+    copy = g.call_function(aten.clone.default, (doubled,))
+    g.call_function(aten.add_.Tensor, (first, 1.0))
+    return g.call_function(aten.mul.Tensor, (copy, 1.0))
+
+
+@pytest.mark.parametrize("build,x,want", [
+    (_copy_of_a_tensor_written_later, torch.ones(2, 3), torch.full((3, 2), 6.0)),
+    (_copy_of_an_in_place_result_written_again, torch.ones(2), torch.full((2,), 3.0)),
+    (_copy_of_a_split_written_later, torch.ones(4), torch.full((4,), 2.0)),
+], ids=["written_later", "in_place_result_written_again", "split_written_later"])
+def test_a_copy_of_a_tensor_written_later_stays(build, x, want):
     gm = _hand_built(build)
     assert cf.contiguous_copies_dropped(gm.graph) == [] and _clones(gm) == 1
     gm.recompile()
-    assert torch.equal(gm(torch.ones(2)), torch.full((2,), 3.0))
+    assert torch.equal(gm(x), want)
 
 
 def test_a_copy_of_a_graph_input_stays():
@@ -262,21 +268,3 @@ def test_a_copy_read_elementwise_is_dropped_and_put_back_unless_fused():
     gm.graph.lint()
     gm.recompile()
     assert all(torch.equal(a, b) for a, b in zip(_outputs(gm, args), _outputs(contiguous_copy_then_rotation, args)))
-
-
-def test_a_copy_of_a_split_written_later_stays():
-    """``y = x.mul(2).split(2)[0]`` shares the product's storage; an ``add_`` to y later changes the
-    copy's source (a write followed back through ``getitem`` of a view op)."""
-    aten = torch.ops.aten
-
-    def build(g, x):
-        doubled = g.call_function(aten.mul.Tensor, (x, 2.0))
-        first = g.call_function(operator.getitem, (g.call_function(aten.split.Tensor, (doubled, 2)), 0))
-        copy = g.call_function(aten.clone.default, (doubled,))
-        g.call_function(aten.add_.Tensor, (first, 1.0))
-        return g.call_function(aten.mul.Tensor, (copy, 1.0))
-
-    gm = _hand_built(build)
-    assert cf.contiguous_copies_dropped(gm.graph) == [] and _clones(gm) == 1
-    gm.recompile()
-    assert torch.equal(gm(torch.ones(4)), torch.full((4,), 2.0))
