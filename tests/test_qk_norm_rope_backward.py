@@ -582,9 +582,11 @@ def _partial_rotary_model(family: str) -> nn.Module:
 def test_hf_partial_rotary_training_step_fused_with_eager_gradients(family, attention_layers):
     """Partial rotary in training, on transformers' own model code: every q and k of every layer with
     the prologue fused (the kernel's ROT_HALF), every gradient within 1e-5 of the same compile's
-    without the pass and of eager's (fp32). Qwen3-Next's linear-attention layer is compared with the
-    unfused compile only, within 1e-4: its decay parameters' gradients amplify fp32 rounding (compiled
-    without the pass they differ from eager's by ~2e-4; with it, from the unfused compile's by ~1.4e-5)."""
+    without the pass and of eager's (fp32). Qwen3-Next's linear-attention layer, which the pass does
+    not touch, is judged against a float64 eager step: its decay parameters' (``A_log``, ``dt_bias``)
+    gradients amplify fp32 rounding, so every fp32 evaluation order lands ~5e-4 from float64 (eager's,
+    stock compile's and ours alike), and two of them differ by up to that much on another CPU. Each of
+    its gradients must be no further from float64 than twice the further of eager's and stock's."""
     model = _partial_rotary_model(family)
     unfused, reference = copy.deepcopy(model), copy.deepcopy(model)
     ids = torch.randint(0, 128, (2, 16))
@@ -598,9 +600,13 @@ def test_hf_partial_rotary_training_step_fused_with_eager_gradients(family, atte
     assert fusion_pass.match_counts() == {FAMILY: 2 * attention_layers}, fusion_pass.report()
     assert calls.counts[OP] == 2 * attention_layers
     assert fusion_pass.near_misses() == {}
-    errors = compare_grads(model, unfused)
-    linear = {n: e for n, e in errors.items() if "linear_attn" in n}
-    assert not linear or max(linear.values()) < 1e-4, sorted(linear.items(), key=lambda kv: -kv[1])[:3]
-    for against in (errors, compare_grads(model, reference)):
+    if family == "qwen3_next":
+        exact = copy.deepcopy(reference).double()
+        exact.zero_grad(set_to_none=True)
+        exact(input_ids=ids, labels=ids).loss.backward()
+        ours, stock, eager = (compare_grads(m, exact) for m in (model, unfused, reference))
+        linear = {n: (e, stock[n], eager[n]) for n, e in ours.items() if "linear_attn" in n}
+        assert linear and all(e <= 2 * max(s, r) + 1e-6 for e, s, r in linear.values()), linear
+    for against in (compare_grads(model, unfused), compare_grads(model, reference)):
         errors = {n: e for n, e in against.items() if "linear_attn" not in n}
         assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
