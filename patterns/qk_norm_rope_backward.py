@@ -50,6 +50,7 @@ from typing import Any, Callable
 import torch
 from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, gen_pattern, register_graph_pattern
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
@@ -234,13 +235,16 @@ def _backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
 
 def _forward_copy(graph: torch.fx.Graph, backward: set[torch.fx.Node]) -> torch.fx.GraphModule:
     """The forward nodes of ``graph`` in a new graph, each with ``meta[ORIGIN]`` = {its original}.
-    Saved activations get no extra users, so the patterns' user counts hold."""
+    Saved activations get no extra users, so the patterns' user counts hold. ``get_attr`` nodes (the
+    tensor constants AOT autograd lifts, ``_tensor_constant0``) read the same attributes of
+    ``graph``'s owning module; without one, they and what they feed are left out."""
+    owner = graph.owning_module
     copy = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in graph.nodes:
         if node in backward or node.op == "output":
             continue
-        if node.op not in ("placeholder", "call_function", "get_attr"):
+        if node.op not in ("placeholder", "call_function", "get_attr") or (node.op == "get_attr" and owner is None):
             continue
         if any(a not in env for a in node.all_input_nodes):
             continue
@@ -249,7 +253,8 @@ def _forward_copy(graph: torch.fx.Graph, backward: set[torch.fx.Node]) -> torch.
         new.meta[ORIGIN] = {node}
         env[node] = new
     copy.output(None)
-    return torch.fx.GraphModule(torch.nn.Module(), copy)
+    # GraphModule(root, graph) takes from root exactly the attributes the graph's get_attr nodes name.
+    return torch.fx.GraphModule(owner if owner is not None else torch.nn.Module(), copy)
 
 
 # --- the region in the joint graph and its backward ---------------------------------------------
@@ -443,8 +448,14 @@ def _refusal(region: _Region) -> str | None:
                     "weight, tables and gradient")
     if x.dim() != 4 or x.shape[-1] % 2:
         return f"per-head RMSNorm <-> RoPE in training with input shape {tuple(x.shape)} (expected 4-D, even head_dim)"
+    if weight is not None and tuple(weight.shape) != (x.shape[-1],):
+        return (f"per-head RMSNorm <-> RoPE in training with a norm weight of shape {tuple(weight.shape)} "
+                f"(expected [head_dim] = [{x.shape[-1]}])")
     if x.stride(-1) != 1:
         return "per-head RMSNorm <-> RoPE in training on an input with a strided last dim"
+    table_problem = _table_problem(region)
+    if table_problem is not None:
+        return table_problem
     if cos.shape[-1] % 2 or cos.shape[-1] > x.shape[-1]:
         return (f"per-head RMSNorm <-> RoPE in training with rotary_dim {cos.shape[-1]} (the backward kernel "
                 f"takes an even rotary_dim <= head_dim {x.shape[-1]})")
@@ -454,14 +465,43 @@ def _refusal(region: _Region) -> str | None:
 
 
 def _kernel_layout(region: _Region) -> tuple[bool, int]:
-    """(x arrives as [B, H, S, D], the dim of the tables' unsqueeze)."""
+    """(x arrives as [B, H, S, D], the heads' dim of the tensor RoPE multiplies with the tables)."""
     placement = region.found.variant.placement
     return placement in ("norm_after_transpose", "rope_first"), 2 if placement == "rope_before_transpose" else 1
 
 
+def _table_problem(region: _Region) -> str | None:
+    """Why cos/sin cannot be read as the kernel's [1 or B, S, R] rows (None: they can): a table
+    broadcasts against RoPE's 4-D operand, so with leading ones it must be 1 over the heads, S over
+    the positions and 1 or B over the batch ([S, R], [B, 1, S, R] and [B, S, 1, R] all are)."""
+    heads_first, head_axis = _kernel_layout(region)
+    x = _val(region.x)
+    batch, seq = x.shape[0], x.shape[2] if heads_first else x.shape[1]
+    for name, nodes in (("cos", region.cos), ("sin", region.sin)):
+        table = _val(next(iter(nodes)))
+        if not isinstance(table, torch.Tensor) or not 1 <= table.dim() <= 4:
+            return f"per-head RMSNorm <-> RoPE in training with a {name} that is not a 1- to 4-D tensor"
+        shape = (1,) * (4 - table.dim()) + tuple(table.shape)
+        seq_axis = 3 - head_axis  # [B, H, S, R] or [B, S, H, R]
+        if not (statically_known_true(shape[head_axis] == 1) and statically_known_true(shape[seq_axis] == seq)
+                and (statically_known_true(shape[0] == 1) or statically_known_true(shape[0] == batch))):
+            return (f"per-head RMSNorm <-> RoPE in training with {name} of shape {tuple(table.shape)} (the backward "
+                    "kernel takes tables that vary over the batch and positions only)")
+    cos, sin = (_val(next(iter(nodes))) for nodes in (region.cos, region.sin))
+    if cos.dim() != sin.dim() or not all(statically_known_true(a == b) for a, b in zip(cos.shape, sin.shape)):
+        return (f"per-head RMSNorm <-> RoPE in training with cos {tuple(cos.shape)} and sin {tuple(sin.shape)} of "
+                "different shapes")
+    return None
+
+
+def _table_rows(table: torch.Tensor, head_axis: int) -> torch.Tensor:
+    """``table`` as the kernel's [1 or B, S, R] rows (``_table_problem`` said it can be)."""
+    return table.reshape((1,) * (4 - table.dim()) + tuple(table.shape)).squeeze(head_axis)
+
+
 def _replacement(region: _Region) -> tuple[Callable, list[torch.fx.Node], list[str]]:
     """A function of graph values returning the new gradients (in ``roles`` order), its inputs."""
-    heads_first, table_dim = _kernel_layout(region)
+    heads_first, head_axis = _kernel_layout(region)
     form = NORM_FORMS[region.found.variant.norm]
     norm_style = KERNEL_NORM_STYLE[form.style]
     rope_first = region.found.variant.placement == "rope_first"
@@ -483,7 +523,7 @@ def _replacement(region: _Region) -> tuple[Callable, list[torch.fx.Node], list[s
             weight = grad.new_ones(x.shape[-1])  # in the output's dtype, as the kernel takes weights
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
-        args = (grad, x_bshd, rstd, cos.squeeze(table_dim), sin.squeeze(table_dim), weight, need_weight,
+        args = (grad, x_bshd, rstd, _table_rows(cos, head_axis), _table_rows(sin, head_axis), weight, need_weight,
                 need_tables, rope_first, norm_style)
         if in_graph:
             grad_x, grad_weight, grad_tables = backward_in_graph(*args)
@@ -494,8 +534,8 @@ def _replacement(region: _Region) -> tuple[Callable, list[torch.fx.Node], list[s
         if need_weight:
             results["weight"] = grad_weight[0]
         if need_tables:
-            results["cos"] = grad_tables[0].unsqueeze(table_dim)
-            results["sin"] = grad_tables[1].unsqueeze(table_dim)
+            results["cos"] = grad_tables[0].reshape(cos.shape)
+            results["sin"] = grad_tables[1].reshape(sin.shape)
         return tuple(results[r] for r in roles)
 
     inputs = [region.grad, region.x, next(iter(region.cos)), next(iter(region.sin))]

@@ -213,6 +213,62 @@ def test_spellings_train_fused_with_eager_gradients(case):
     assert errors and max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
+class BlockWithTensorConstant(SpelledBlock):
+    """A tensor made inside ``forward`` (``torch.tensor``, as masking code does): AOT autograd lifts it
+    to a ``get_attr`` constant (``_tensor_constant0``) of the joint graph's module."""
+
+    def forward(self, x, cos, sin):
+        return super().forward(x, cos, sin) * torch.tensor([1.0, 2.0]).repeat(HEADS * HEAD_DIM // 2)
+
+
+def test_joint_graph_with_a_lifted_tensor_constant_fuses():
+    """The forward copy that the patterns match reads the joint graph's constants (a copy without
+    them raised ``AttributeError: ... '_tensor_constant0'`` and aborted the user's compile)."""
+    torch.manual_seed(0)
+    block = BlockWithTensorConstant()
+    reference = copy.deepcopy(block)
+    inputs = _inputs(True, False)
+    reference_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    fusion_pass.install(devices="cpu", families=FAMILY)
+    _run(block, inputs, joint_pass_backend())
+    _run(reference, reference_inputs, None)
+    assert fusion_pass.match_counts() == {FAMILY: 2}, fusion_pass.report()
+    errors = compare_grads(block, reference, [("x", inputs[0], reference_inputs[0])])
+    assert max(errors.values()) < 1e-5, errors
+
+
+class HunYuanBlockWithPositionTables(SpelledBlock):
+    """HunYuan's order (transpose, RoPE, norm) with tables of one row per position, [S, D], that
+    broadcast over batch and heads without an unsqueeze."""
+
+    def forward(self, x, cos, sin):
+        batch, seq, _ = x.shape
+        q, k, v = (t.view(batch, seq, -1, HEAD_DIM).transpose(1, 2) for t in self._project(x))
+        q, k = _norm(self._rope(q, cos, sin), self.q_norm, self.norm), _norm(self._rope(k, cos, sin), self.k_norm, self.norm)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(batch, seq, -1)
+
+
+@pytest.mark.parametrize("tables_grad", [False, True])
+def test_tables_of_one_row_per_position_fuse(tables_grad):
+    """cos/sin of shape [S, D] are the kernel's [1, S, D] rows: both tensors fuse with eager's
+    gradients (those of the tables too). Such a match once reached the op, whose argument check then
+    raised while Inductor traced it and aborted the compile."""
+    torch.manual_seed(0)
+    block = HunYuanBlockWithPositionTables(placement="hunyuan")
+    reference = copy.deepcopy(block)
+    x, cos, sin = _inputs(True, False)
+    inputs = [x, cos[0].detach().requires_grad_(tables_grad), sin[0].detach().requires_grad_(tables_grad)]
+    reference_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    fusion_pass.install(devices="cpu", families=FAMILY)
+    _run(block, inputs, joint_pass_backend())
+    _run(reference, reference_inputs, None)
+    assert fusion_pass.match_counts() == {FAMILY: 2}, fusion_pass.report()
+    errors = compare_grads(block, reference, list(zip(["x", "cos", "sin"], inputs, reference_inputs)))
+    assert max(errors.values()) < 1e-5, errors
+    assert ("cos" in errors) == tables_grad
+
+
 def test_the_region_backward_replaces_autograds_nodes():
     """The backward graph: our op twice, and none of the norm's backward ops (``pow(rstd, 3)``,
     the sums of the weight grad) left; the projection GEMMs stay autograd's."""
