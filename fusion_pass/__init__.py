@@ -14,8 +14,8 @@ graphs (also those loaded from Inductor's cache) call.
 
 from . import families as _families
 from .config import ALL_FAMILIES as FAMILIES
-from .install import install, installed, options, uninstall
-from .match_report import match_counts, near_misses, report
+from .install import install, installed, installed_families, options, uninstall
+from .match_report import internal_errors, match_counts, near_misses, report
 from .match_report import reset as reset_report
 from .versions import SUPPORTED_RANGE as SUPPORTED_TORCH
 from .versions import UnsupportedTorchVersion
@@ -28,6 +28,8 @@ __all__ = [
     "UnsupportedTorchVersion",
     "install",
     "installed",
+    "installed_families",
+    "internal_errors",
     "match_counts",
     "near_misses",
     "options",

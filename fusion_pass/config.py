@@ -13,6 +13,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .families import NAMES as ALL_FAMILIES
+from .transaction import strict_from_env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +25,13 @@ class FusionConfig:
             fused ops run Triton kernels; on CPU they run their PyTorch references (or the
             Triton kernels under ``TRITON_INTERPRET=1``).
         families: fusion families to apply; the default is all of them.
+        strict: re-raise a fault inside a family instead of containing it (``transaction``); None:
+            as the environment says when the pass runs (``FUSION_PASS_STRICT=1``).
     """
 
     devices: tuple[str, ...] = ("cuda",)
     families: tuple[str, ...] = ALL_FAMILIES
+    strict: bool | None = None
 
     def __post_init__(self) -> None:
         for device in self.devices:
@@ -36,15 +40,22 @@ class FusionConfig:
         for family in self.families:
             if family not in ALL_FAMILIES:
                 raise ValueError(f"families: unknown fusion family {family!r}; known: {ALL_FAMILIES}")
+        if self.strict not in (None, True, False):
+            raise ValueError(f"strict: expected True, False or None, got {self.strict!r}")
+
+    def is_strict(self) -> bool:
+        """Whether a family's fault is re-raised (``strict``, or the environment when it is None)."""
+        return strict_from_env() if self.strict is None else self.strict
 
     @classmethod
-    def make(cls, devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None
-             ) -> "FusionConfig":
+    def make(cls, devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None,
+             strict: bool | None = None) -> "FusionConfig":
         """``devices`` and ``families`` as names or iterables of names (``"cpu"`` is ``("cpu",)``)."""
         def names(value):
             return (value,) if isinstance(value, str) else tuple(value)
 
-        return cls(devices=names(devices), families=ALL_FAMILIES if families is None else names(families))
+        return cls(devices=names(devices), families=ALL_FAMILIES if families is None else names(families),
+                   strict=strict)
 
 
 _active = FusionConfig()

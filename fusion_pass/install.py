@@ -42,7 +42,8 @@ def _compose(hook: str, current: Any, config: fusion_config.FusionConfig) -> Fus
     return FusionGraphPass(stage, fusion_families.names_in_stage(stage), config, previous=_without_ours(current))
 
 
-def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None) -> None:
+def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None,
+            strict: bool | None = None) -> None:
     """Install the fusion passes into Inductor's hooks, as the calling thread sees them.
 
     Every later ``torch.compile`` (Inductor backend) in this thread rewrites matching subgraphs.
@@ -58,6 +59,9 @@ def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | 
             fused ops run their PyTorch references (or Triton under ``TRITON_INTERPRET=1``); a single
             name (``"cpu"``) is one device type.
         families: fusion families to apply (default: all, see ``fusion_pass.FAMILIES``).
+        strict: a fault inside a family is contained by default: that family leaves the graph as it
+            was, the compile goes on as stock Inductor's, and ``report()`` lists the internal error.
+            ``strict=True`` re-raises it instead; None (the default) follows ``FUSION_PASS_STRICT=1``.
 
     Raises:
         fusion_pass.UnsupportedTorchVersion: torch is older than 2.11 (``fusion_pass.SUPPORTED_TORCH``).
@@ -71,7 +75,7 @@ def install(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | 
         print(fusion_pass.report())
     """
     check_torch_version()
-    config = fusion_config.FusionConfig.make(devices, families)
+    config = fusion_config.FusionConfig.make(devices, families, strict)
     for hook in _HOOKS:
         setattr(inductor_config, hook, _compose(hook, getattr(inductor_config, hook), config))
 
@@ -85,24 +89,59 @@ def uninstall() -> None:
             setattr(inductor_config, hook, _without_ours(current))
 
 
-def installed() -> bool:
-    """True when our passes are in Inductor's hooks as this thread sees them (see ``install``)."""
-    return any(is_ours(p) for hook in _HOOKS for p in graph_passes(getattr(inductor_config, hook)))
+def _our_pass(hook: str) -> FusionGraphPass | None:
+    """Our pass in ``hook`` as the calling thread sees it, or None."""
+    return next((p for p in graph_passes(getattr(inductor_config, hook)) if is_ours(p)), None)
 
 
-def options(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None
-            ) -> dict[str, Any]:
+def installed_families() -> tuple[str, ...]:
+    """The families that compiles in the calling thread run: enabled by ``install()`` and with our
+    pass still in their stage's hook (a hook that was set again since, by the user or by
+    ``inductor_config.patch`` ending, runs none of them)."""
+    running = set()
+    for hook, stage in _HOOKS.items():
+        ours = _our_pass(hook)
+        if ours is not None:
+            running |= {name for name in fusion_families.names_in_stage(stage) if name in ours.config.families}
+    return tuple(name for name in fusion_families.NAMES if name in running)
+
+
+def installed(family: str | None = None) -> bool:
+    """Whether ``install()`` is in effect for compiles in the calling thread (see ``install``).
+
+    Args:
+        family: ask about one family (``fusion_pass.FAMILIES``): whether it runs.
+
+    Returns:
+        With ``family``: whether that family runs. Without: whether every family that ``install()``
+        enabled runs, i.e. our pass is in each hook that one of them needs; False when none is
+        installed, or when a hook lost our pass since (e.g. ``install()`` inside
+        ``inductor_config.patch(post_grad_custom_pre_pass=None)``, whose end put the hook back).
+    """
+    if family is not None:
+        if family not in fusion_families.NAMES:
+            raise ValueError(f"family: expected one of {fusion_families.NAMES}, got {family!r}")
+        return family in installed_families()
+    ours = [p for p in (_our_pass(hook) for hook in _HOOKS) if p is not None]
+    if not ours:
+        return False
+    enabled = set().union(*(p.config.families for p in ours))
+    return enabled <= set(installed_families())
+
+
+def options(devices: Iterable[str] | str = ("cuda",), families: Iterable[str] | str | None = None,
+            strict: bool | None = None) -> dict[str, Any]:
     """Inductor options for scoped use: ``torch.compile(model, options=fusion_pass.options())``.
 
     The global hooks are left untouched; passes already installed there keep running after
     ours inside this compile.
 
     Args:
-        devices, families: as for ``install`` (which also says what torch versions it accepts).
+        devices, families, strict: as for ``install`` (which also says what torch versions it accepts).
 
     Returns:
         ``{"post_grad_custom_pre_pass": ..., "joint_custom_pre_pass": ...}``
     """
     check_torch_version()
-    config = fusion_config.FusionConfig.make(devices, families)
+    config = fusion_config.FusionConfig.make(devices, families, strict)
     return {hook: _compose(hook, getattr(inductor_config, hook), config) for hook in _HOOKS}

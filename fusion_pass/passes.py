@@ -19,13 +19,14 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.pattern_matcher import PatternMatcherPass, stable_topological_sort
+from torch._inductor.pattern_matcher import PatternMatcherPass
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from . import config as fusion_config
 from . import match_report
 from .families import pattern_module
 from .source_hash import source_hash
+from .transaction import apply_contained
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,16 +46,22 @@ def _family_pass(family: str) -> PatternMatcherPass:
     return pass_dict
 
 
-def _apply_family(family: str, graph: torch.fx.Graph) -> int:
-    """Number of replacements; a pattern module may wrap matching in its own ``apply``, and may
-    say with ``applies_to(graph)`` that a graph cannot match (then nothing is registered either:
-    registering the training family costs seconds, and inference graphs pass its hook too)."""
+def _apply_family(family: str, graph: torch.fx.Graph, strict: bool) -> int:
+    """Number of replacements, the family applied as a transaction (``transaction``); a pattern
+    module may wrap matching in its own ``apply``, and may say with ``applies_to(graph)`` that a
+    graph cannot match (then nothing is registered or snapshot either: registering the training
+    family costs seconds, and inference graphs pass its hook too)."""
     module = pattern_module(family)
-    if hasattr(module, "applies_to") and not module.applies_to(graph):
-        return 0
-    if hasattr(module, "apply"):
-        return module.apply(graph, _family_pass(family))
-    return _family_pass(family).apply(graph)
+
+    def applies() -> bool:
+        return not hasattr(module, "applies_to") or module.applies_to(graph)
+
+    def apply() -> int:
+        if hasattr(module, "apply"):
+            return module.apply(graph, _family_pass(family))
+        return _family_pass(family).apply(graph)
+
+    return apply_contained(family, graph, applies, apply, strict)
 
 
 #: Whether the graph the pass is running on is an inference graph (Inductor's ``is_inference``);
@@ -109,13 +116,9 @@ class FusionGraphPass(_InferenceAwarePass):
     def __call__(self, graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
         token = _GRAPH_IS_INFERENCE.set(is_inference)
         try:
-            replaced = self._apply_families(graph)
+            self._apply_families(graph)
         finally:
             _GRAPH_IS_INFERENCE.reset(token)
-        if replaced:
-            # A replacement is inserted where the pattern's first output was; inputs of later
-            # outputs (k, v) may be defined after it. Later passes expect topological order.
-            stable_topological_sort(graph)
         for previous in graph_passes(self.previous):
             # As Inductor calls the passes of the hook: post-grad inference-aware ones get is_inference.
             if (self.stage == "post_grad" and _InferenceAwarePass is not CustomGraphPass
@@ -124,15 +127,12 @@ class FusionGraphPass(_InferenceAwarePass):
             else:
                 previous(graph)
 
-    def _apply_families(self, graph: torch.fx.Graph) -> int:
+    def _apply_families(self, graph: torch.fx.Graph) -> None:
         with fusion_config.using(self.config):
-            replaced = 0
+            strict = self.config.is_strict()
             for family in self.families:
                 if family in self.config.families:
-                    count = _apply_family(family, graph)
-                    match_report.record_match(family, count)
-                    replaced += count
-        return replaced
+                    match_report.record_match(family, _apply_family(family, graph, strict))
 
     def uuid(self) -> Any:
         previous_uuid = []

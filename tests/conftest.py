@@ -15,6 +15,11 @@ import torch  # noqa: E402  (torch does not import triton at import time)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests run strict: a fault inside a family raises instead of being contained and reported
+# (fusion_pass.transaction), so that containment never hides a bug from us. The containment tests
+# install with strict=False.
+os.environ.setdefault("FUSION_PASS_STRICT", "1")
+
 import pytest  # noqa: E402
 
 import fusion_pass  # noqa: E402

@@ -145,6 +145,23 @@ def test_install_inside_a_config_patch_ends_with_it():
     assert not fusion_pass.installed()
 
 
+def test_installed_tells_per_hook_and_family_when_one_hook_lost_our_pass():
+    """``install()`` inside a patch of the forward hook alone: when the patch ends, the forward hook is
+    back to None while the training hook still holds our pass. installed() must not say True then."""
+    with inductor_config.patch(**{FORWARD_HOOK: None}):
+        fusion_pass.install(devices=("cpu",))
+        assert fusion_pass.installed() and fusion_pass.installed_families() == fusion_pass.FAMILIES
+    assert not fusion_pass.installed()
+    assert fusion_pass.installed_families() == ("qkv_rope_qk_norm", "qk_norm_rope_backward")
+    assert not fusion_pass.installed("qk_norm_rope_cache")
+    assert fusion_pass.installed("qk_norm_rope_backward")
+    fusion_pass.install(devices=("cpu",), families=("qk_norm_rope_backward",))
+    assert fusion_pass.installed() and fusion_pass.installed_families() == ("qk_norm_rope_backward",)
+    assert not fusion_pass.installed("qkv_rope_qk_norm")
+    with pytest.raises(ValueError, match="family: expected one of"):
+        fusion_pass.installed("qk_norm")
+
+
 def test_options_leave_the_global_hooks_alone():
     before = [getattr(inductor_config, h) for h in HOOKS]
     options = fusion_pass.options(devices=("cpu",))

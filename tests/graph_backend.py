@@ -1,0 +1,44 @@
+"""A torch.compile backend that runs every pass Inductor runs before code generation, ours included,
+then executes the graphs eagerly: the fusions, their containment and their numerics without
+Inductor's C++ code generation (~11 s a graph on the CI machines).
+
+Training graphs: AOT autograd with Inductor's decompositions, Inductor's joint-graph passes (the
+training hook, ``joint_custom_pre_pass``) and its partitioner. Forward, backward and inference graphs:
+``view_to_reshape`` and Inductor's post-grad passes (the forward hook, ``post_grad_custom_pre_pass``,
+then Inductor's own patterns and re-inplacing), as ``compile_fx`` runs them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+from torch._inductor.fx_passes.post_grad import post_grad_passes, view_to_reshape
+from torch._inductor.virtualized import V
+
+
+def graph_only_backend():
+    """The backend (a fresh one per call: AOT autograd keeps per-backend state)."""
+
+    def partition(gm, joint_inputs, **kwargs):
+        joint_graph_passes(gm)
+        return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
+
+    def compiler(is_inference: bool):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            if is_inference:  # compile_fx runs the joint-graph passes on inference graphs too
+                joint_graph_passes(gm)
+            view_to_reshape(gm)
+            with V.set_fake_mode(torch._guards.detect_fake_mode(example_inputs)):
+                post_grad_passes(gm, is_inference)
+            gm.recompile()
+            return make_boxed_func(gm.forward)
+
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(False), inference_compiler=compiler(True),
+                        partition_fn=partition, decompositions=select_decomp_table(),
+                        keep_inference_input_mutations=True)
