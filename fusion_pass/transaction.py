@@ -7,7 +7,9 @@ compile, so each family runs between a snapshot of the graph and a check of what
 and ``meta``), the fault is recorded for ``report()``, warned about once per family and exception
 type and counted in ``counters["fusion_pass"]["internal_errors"]``, and the compile goes on as stock
 Inductor's. Strict mode (``install(strict=True)`` or ``FUSION_PASS_STRICT=1``; the project's tests
-run strict) re-raises instead, so that containment never hides a bug from us.
+run strict) re-raises instead, so that containment never hides a bug from us. A family that fused
+nothing is put back too, where it rewrote the graph on the way (canonical forms): the graphs of
+models it does not fuse are stock Inductor's, node for node.
 """
 
 from __future__ import annotations
@@ -41,6 +43,28 @@ class GraphSnapshot:
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in graph.nodes:
             env[node] = self._copy.node_copy(node, lambda a: env[a])  # node_copy copies meta (shallowly)
+        self._signature = self._signature_of(graph)
+
+    @staticmethod
+    def _signature_of(graph: torch.fx.Graph) -> list:
+        def leaf(a):
+            # Nodes by name, plain constants by value; anything else (a SymInt, whose == would add a
+            # guard) by identity.
+            if isinstance(a, torch.fx.Node):
+                return ("node", a.name)
+            if a is None or type(a) in (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                        torch.memory_format):
+                return a
+            return ("object", id(a))
+
+        def key(arg):
+            return torch.fx.node.map_aggregate(arg, leaf)
+
+        return [(n.name, n.op, leaf(n.target), key(n.args), key(n.kwargs), tuple(n.meta)) for n in graph.nodes]
+
+    def changed(self) -> bool:
+        """Whether the graph's nodes (names, ops, targets, arguments, meta keys) differ from the snapshot's."""
+        return self._signature_of(self._graph) != self._signature
 
     def restore(self) -> None:
         graph = self._graph
@@ -102,6 +126,10 @@ def apply_contained(family: str, graph: torch.fx.Graph, applies: Callable[[], bo
                 return 0
             snapshot = GraphSnapshot(graph)
             count = apply()
+            if not count and snapshot.changed():
+                # Rewrites into canonical form that no fusion used: a family that fused nothing
+                # hands back exactly the graph it got, so the compile is stock Inductor's.
+                snapshot.restore()
             if count:
                 # A replacement is inserted where the pattern's first output was; inputs of later
                 # outputs (k, v) may be defined after it. Later passes expect topological order.

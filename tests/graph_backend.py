@@ -18,21 +18,28 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.fx_passes.joint_graph import joint_graph_passes
 from torch._inductor.fx_passes.post_grad import post_grad_passes, view_to_reshape
 from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def _fake_mode(inputs) -> FakeTensorMode:
+    """The inputs' fake mode, as compile_fx takes it (a fresh one where no input is fake)."""
+    return torch._guards.detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def graph_only_backend():
     """The backend (a fresh one per call: AOT autograd keeps per-backend state)."""
 
     def partition(gm, joint_inputs, **kwargs):
-        joint_graph_passes(gm)
+        with V.set_fake_mode(_fake_mode(joint_inputs)):
+            joint_graph_passes(gm)
         return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
 
     def compiler(is_inference: bool):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
-            if is_inference:  # compile_fx runs the joint-graph passes on inference graphs too
-                joint_graph_passes(gm)
-            view_to_reshape(gm)
-            with V.set_fake_mode(torch._guards.detect_fake_mode(example_inputs)):
+            with V.set_fake_mode(_fake_mode(example_inputs)):
+                if is_inference:  # compile_fx runs the joint-graph passes on inference graphs too
+                    joint_graph_passes(gm)
+                view_to_reshape(gm)
                 post_grad_passes(gm, is_inference)
             gm.recompile()
             return make_boxed_func(gm.forward)
@@ -42,3 +49,13 @@ def graph_only_backend():
     return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(False), inference_compiler=compiler(True),
                         partition_fn=partition, decompositions=select_decomp_table(),
                         keep_inference_input_mutations=True)
+
+
+#: ``graph_only_backend`` by name, for clients that take a backend name (transformers' Trainer and
+#: ``generate``'s ``CompileConfig``).
+BACKEND_NAME = "fusion_pass_graph_only"
+
+
+@torch._dynamo.register_backend(name=BACKEND_NAME)
+def _named_backend(gm, example_inputs, **kwargs):
+    return graph_only_backend()(gm, example_inputs, **kwargs)

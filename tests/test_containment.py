@@ -226,7 +226,7 @@ def test_a_malformed_graph_left_by_a_family_is_a_contained_fault():
         with graph.inserting_before(neg):
             late = graph.call_function(torch.ops.aten.relu.default, (neg,))
         neg.args = (late,)  # a cycle: no topological order exists
-        return 0
+        return 1  # said to have fused (a family that fused nothing is put back anyway)
 
     assert transaction.apply_contained("qk_norm_rope_cache", graph, lambda: True, misorder, strict=False) == 0
     assert graph.python_code("self").src == before
@@ -254,3 +254,27 @@ def test_the_snapshot_restores_names_and_meta():
     assert [n.meta["mark"] for n in graph.nodes] == [n.name for n in graph.nodes]
     assert gm(torch.ones(2), torch.ones(2)).tolist() == [4.0, 4.0]
     copy.deepcopy(gm)  # still a well-formed module
+
+
+def test_a_family_that_fused_nothing_hands_back_the_graph_it_got():
+    """Canonical rewrites no fusion used are put back: the graphs of models the pass does not fuse are
+    stock Inductor's, node for node (names and meta keys included)."""
+    from fusion_pass import transaction
+
+    gm = torch.fx.symbolic_trace(lambda x: x.sum(-1) / x.shape[-1])
+    graph = gm.graph
+    before = graph.python_code("self").src
+
+    def rewrite_without_fusing():
+        node = next(n for n in graph.nodes if n.op == "call_method")
+        with graph.inserting_after(node):
+            mean = graph.call_method("mean", (node.args[0], -1))
+        node.meta["rewritten"] = True
+        next(u for u in node.users).replace_input_with(node, mean)
+        return 0
+
+    assert transaction.apply_contained("qk_norm_rope_cache", graph, lambda: True, rewrite_without_fusing,
+                                       strict=True) == 0
+    assert graph.python_code("self").src == before
+    assert all("rewritten" not in n.meta for n in graph.nodes)
+    assert fusion_pass.internal_errors() == {}
