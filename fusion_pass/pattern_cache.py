@@ -180,6 +180,12 @@ def retraced_check(search_fn: Callable, trace_fn: Callable, scalar_workaround: d
     argnames = list(inspect.signature(search_fn).parameters)
 
     def check(match: Match) -> bool:
+        # A wildcard stands for a tensor unless it is one of the scalars: a Python number bound to it (a
+        # weight-free norm times a constant read as a weighted norm) is no match, and cannot be re-traced.
+        if any(not isinstance(match.kwargs[name], torch.fx.Node)
+               or not isinstance(match.kwargs[name].meta.get("val"), torch.Tensor)
+               for name in argnames if name not in scalar_workaround):
+            return False
         args = list(torch.fx.map_arg([match.kwargs[name] for name in argnames], lambda node: node.meta["val"]))
         fake_mode = torch._dynamo.utils.detect_fake_mode(args)
         sym_args: list = []

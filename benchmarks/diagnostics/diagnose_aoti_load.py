@@ -73,7 +73,7 @@ def main() -> int:
             if os.path.exists(path):
                 os.remove(path)
     # the failing test's own decode step, without the pass, with the Python frames of a crash
-    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests")
     path = os.path.join(args.out, "aoti-decode-stock.pt2")
     proc = subprocess.run([sys.executable, "-X", "faulthandler", os.path.join(tests, "aoti_decode_check.py"), "cuda",
                            "stock", path], capture_output=True, text=True, timeout=300,
