@@ -61,7 +61,6 @@ class StageResult:
     fusions: dict[str, int]  # pass family -> count
     near_misses: dict[str, int]  # "family: reason" -> count
     unchanged: bool  # every graph handed back as the hooks got it
-    graphs: int  # graphs the hooks saw
     errors: dict[str, float]  # result (output, cache, loss, gradient) -> ours against eager
     stock_errors: dict[str, float] | None  # the same for stock compile (None: not run)
 
@@ -173,7 +172,6 @@ def stage(family: ModelFamily, training: bool, device: str = "cpu", tolerance: f
         fusions=fusions,
         near_misses=near_misses,
         unchanged=all(r.unchanged() for r in recorders.values()),
-        graphs=sum(len(r.before) for r in recorders.values()),
         errors=errors,
         stock_errors=None if stock_results is None else _errors(stock_results, eager),
     )

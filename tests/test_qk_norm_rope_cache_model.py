@@ -106,20 +106,16 @@ def test_hf_static_cache_prefill_then_decode(family):
             assert torch.equal(got[:, :, written:], want[:, :, written:])
 
 
-def _hybrid_model(family: str):
-    """A 2-layer bf16 model of a newer family whose attention layers have the prologue in a form of
-    their own: (config, model, attention layers, of which with the prologue)."""
+def _gemma4_model():
+    """A 2-layer bf16 Gemma4: a sliding layer (head_dim 64) and a full one at Gemma4's own 512, with its
+    partial "proportional" rotary (512 x 0.25): (config, model, attention layers, of which with the prologue)."""
     import transformers
 
-    geometry = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64)
-    if family == "gemma4":  # a sliding layer (head_dim 64) and a full one: Gemma4's own 512, partial
-        # "proportional" rotary (512 x 0.25)
-        config = transformers.Gemma4TextConfig(**geometry, head_dim=64, global_head_dim=512,
-                                               layer_types=["sliding_attention", "full_attention"], sliding_window=16)
-        model, layers = transformers.Gemma4ForCausalLM(config), (2, 2)
-    else:
-        raise ValueError(f"family: expected gemma4, got {family!r}")
+    config = transformers.Gemma4TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                           head_dim=64, global_head_dim=512,
+                                           layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    model, layers = transformers.Gemma4ForCausalLM(config), (2, 2)
     model = model.to(torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -129,13 +125,12 @@ def _hybrid_model(family: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gemma4"])  # the others: tests/test_model_families.py
-def test_hf_hybrid_families_prefill_then_decode(family):
+def test_hf_gemma4_prefill_then_decode():
     """Gemma4 (RoPE before the transpose, a sliding layer and a full one) through the whole of Inductor's
     CPU code generation: every attention layer with the prologue fused in the prefill and the decode graph (Gemma4's full
     layer at its own head_dim 512), logits within bf16 rounding of eager (or of stock compile's drift),
     the cache rows written as eager writes them and no other row touched."""
-    config, model, attention_layers, prologue_layers = _hybrid_model(family)
+    config, model, attention_layers, prologue_layers = _gemma4_model()
     batch, seq, cache_len, steps = 2, 7, 32, 1
     input_ids = torch.randint(0, config.vocab_size, (batch, seq))
     ref_logits, ref_cache = _prefill_and_decode(model, config, input_ids, cache_len, steps)
