@@ -112,6 +112,8 @@ def test_installed_is_true_to_what_a_compile_in_each_thread_gets():
 
     from qwen3_style import Qwen3StylePrologue, make_inputs
 
+    if torch.__version__ < "2.12":
+        _xfail_verifying_that_stock_crashes_compiling_in_a_second_thread()
     model = Qwen3StylePrologue().to(torch.bfloat16)
     fusion_pass.install(devices=("cpu",))
     seen = {}
@@ -134,6 +136,38 @@ def test_installed_is_true_to_what_a_compile_in_each_thread_gets():
     assert installed_there == (fused_there == 1), seen
     assert seen["worker that installs"] == (True, 1), seen
     assert fusion_pass.installed()  # the main thread's install is untouched by the workers'
+
+
+_STOCK_COMPILES_IN_TWO_THREADS = """
+import sys, threading, torch
+sys.path.insert(0, "tests")
+from qwen3_style import Qwen3StylePrologue, make_inputs
+model = Qwen3StylePrologue().to(torch.bfloat16)
+def compile_once():
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model)(*make_inputs())
+for _ in range(2):
+    worker = threading.Thread(target=compile_once)
+    worker.start()
+    worker.join()
+"""
+
+
+def _xfail_verifying_that_stock_crashes_compiling_in_a_second_thread():
+    """torch 2.11 on CPU segfaults (in FakeTensorMode.__enter__ under Dynamo) at the second compile
+    made in a new thread, without the pass installed. The thread test cannot run in-process there;
+    check in a subprocess that stock still crashes, so that a torch that stops crashing fails here."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    done = subprocess.run([sys.executable, "-c", _STOCK_COMPILES_IN_TWO_THREADS], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode < 0, f"stock compile in two threads did not crash on torch {torch.__version__}: " \
+                                f"rc {done.returncode}, {done.stderr[-2000:]}"
+    pytest.xfail(f"torch {torch.__version__}: stock compile crashes in a second thread (signal {-done.returncode})")
 
 
 def test_install_inside_a_config_patch_ends_with_it():
