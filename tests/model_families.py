@@ -29,7 +29,8 @@ TINY = {
     "num_key_value_heads": 2, "num_kv_heads": 2, "n_kv_heads": 2, "multi_query_group_num": 2,
     "head_dim": 64, "kv_channels": 64, "attention_head_dim": 64, "rotary_dim": 32,
     # one layer of each kind the family has (``_layer_picks``): a second identical layer costs compile time only
-    "num_hidden_layers": 1, "n_layer": 1, "num_layers": 1, "n_layers": 1, "decoder_layers": 1,
+    "num_hidden_layers": 1, "n_layer": 1, "num_layers": 1, "n_layers": 1, "decoder_layers": 1, "num_encoder_layers": 1,
+    "num_decoder_layers": 1,
     "vocab_size": 128, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "seq_length": 64,
     "sliding_window": 8, "attention_chunk_size": 8,
     # mixtures of experts
