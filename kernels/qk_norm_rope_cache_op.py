@@ -174,32 +174,27 @@ def check_positions_in_cache(positions: torch.Tensor, rows: int, name: str) -> N
 # that is not replayed as a CUDA graph. Functionalization (auto_functionalized) and Inductor
 # treat both the same: the schema's (a!)/(b!) annotations are what they read.
 _LIB = torch.library.Library("fusion_pass", "FRAGMENT")
-# ``norm`` (a NORM_STYLES name), ``rope_first``, ``rotary_dim`` and ``interleaved`` are trailing
-# arguments with the Qwen3 defaults, so every caller of the Qwen3 form, and every graph that calls it, reads as before;
-# the weights are optional for the weight-free style rather than a ones tensor per layer.
-_LIB.define(
-    "qk_norm_rope_cache(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, Tensor cos, "
-    "Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, float q_eps, float k_eps, "
-    "str norm=\"weight\", bool rope_first=False, SymInt? rotary_dim=None, bool interleaved=False) "
-    "-> (Tensor, Tensor)"
-)
-_LIB.define(
-    "qk_norm_rope_cache_eps_tensor(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, "
-    "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, Tensor q_eps, "
-    "Tensor k_eps, str norm=\"weight\", bool rope_first=False, SymInt? rotary_dim=None, bool interleaved=False) "
-    "-> (Tensor, Tensor)"
-)
-# The paged variant mutates the caches themselves ([num_blocks, block_size, Hkv, D]), not a view
-# of them: Inductor re-inplaces auto_functionalized only for mutated graph inputs, and would
-# clone a view of one (a full cache copy per layer).
-for _suffix, _eps in (("", "float"), ("_eps_tensor", "Tensor")):
-    _LIB.define(
-        f"qk_norm_rope_paged_cache{_suffix}(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, "
-        f"Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
-        f"{_eps} q_eps, {_eps} k_eps, str norm=\"weight\", bool rope_first=False, SymInt? rotary_dim=None, "
-        f"bool interleaved=False) "
-        f"-> (Tensor, Tensor)"
-    )
+
+
+def _schema(name: str, caches: tuple[str, str], positions: str, eps: str) -> str:
+    """The schema of one of the four ops: dense or paged (``caches``, ``positions``), the epsilons
+    as floats or as 0-d tensors (``eps``). ``norm`` (a NORM_STYLES name), ``rope_first``,
+    ``rotary_dim`` and ``interleaved`` trail with the Qwen3 defaults; the weights are optional for
+    the weight-free style rather than a ones tensor per layer."""
+    return (f"{name}(Tensor q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, Tensor cos, Tensor sin, "
+            f"Tensor(a!) {caches[0]}, Tensor(b!) {caches[1]}, Tensor {positions}, {eps} q_eps, {eps} k_eps, "
+            f'str norm="weight", bool rope_first=False, SymInt? rotary_dim=None, bool interleaved=False) '
+            f"-> (Tensor, Tensor)")
+
+
+# The paged op mutates the caches themselves ([num_blocks, block_size, Hkv, D]), not a view of them:
+# Inductor re-inplaces auto_functionalized only for mutated graph inputs, and would clone a view of
+# one (a full cache copy per layer).
+_DENSE = ("qk_norm_rope_cache", ("k_cache", "v_cache"), "cache_position")
+_PAGED = ("qk_norm_rope_paged_cache", ("key_cache", "value_cache"), "slot_mapping")
+for _name, _caches, _positions in (_DENSE, _PAGED):
+    for _suffix, _eps in (("", "float"), ("_eps_tensor", "Tensor")):
+        _LIB.define(_schema(_name + _suffix, _caches, _positions, _eps))
 
 
 def qk_norm_rope_cache(
@@ -274,34 +269,6 @@ def _run_checked(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_
     )
     # Outputs must not alias inputs and must carry the eager layout of q and k.
     return _with_layout_of(q, q_rot), _with_layout_of(k, k_rot)
-
-
-def qk_norm_rope_cache_eps_tensor(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_position: torch.Tensor,
-    q_eps: torch.Tensor,
-    k_eps: torch.Tensor,
-    norm: str = "weight",
-    rope_first: bool = False,
-    rotary_dim: int | None = None,
-    interleaved: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``qk_norm_rope_cache`` with the epsilons as 0-d tensors.
-
-    ``torch.compile(dynamic=True)`` lifts a Python float such as ``variance_epsilon`` into a
-    0-d CPU tensor graph input; reading it here costs no device synchronization.
-    """
-    return qk_norm_rope_cache(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position,
-                              _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), norm, rope_first,
-                              rotary_dim, interleaved)
 
 
 def paged_cache_rows(cache: torch.Tensor, name: str, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -413,28 +380,18 @@ def qk_norm_rope_paged_cache(
                         rope_first, rotary_dim, interleaved)
 
 
-def qk_norm_rope_paged_cache_eps_tensor(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    q_eps: torch.Tensor,
-    k_eps: torch.Tensor,
-    norm: str = "weight",
-    rope_first: bool = False,
-    rotary_dim: int | None = None,
-    interleaved: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``qk_norm_rope_paged_cache`` with the epsilons as 0-d tensors (``torch.compile(dynamic=True)``)."""
-    return qk_norm_rope_paged_cache(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, slot_mapping,
-                                    _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), norm, rope_first,
-                                    rotary_dim, interleaved)
+def with_eps_tensors(op):
+    """``op`` (the dense or the paged op) taking its epsilons as 0-d tensors, the overload that
+    ``torch.compile(dynamic=True)`` calls: it lifts a Python float such as ``variance_epsilon``
+    into a 0-d CPU tensor graph input, which is read here without a device synchronization."""
+
+    def op_with_eps_tensors(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, positions,
+                            q_eps: torch.Tensor, k_eps: torch.Tensor, *options):
+        return op(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, positions,
+                  _eps_value(q_eps, "q_eps"), _eps_value(k_eps, "k_eps"), *options)
+
+    op_with_eps_tensors.__name__ = op_with_eps_tensors.__qualname__ = f"{op.__name__}_eps_tensor"
+    return op_with_eps_tensors
 
 
 def _eps_value(eps: torch.Tensor, name: str) -> float:
@@ -469,10 +426,9 @@ def _fake_paged(q, k, v, q_weight, k_weight, cos, sin, key_cache, value_cache, s
     return torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
 
 
-torch.library.register_fake("fusion_pass::qk_norm_rope_cache", _fake, lib=_LIB)
-torch.library.register_fake("fusion_pass::qk_norm_rope_cache_eps_tensor", _fake, lib=_LIB)
-torch.library.register_fake("fusion_pass::qk_norm_rope_paged_cache", _fake_paged, lib=_LIB)
-torch.library.register_fake("fusion_pass::qk_norm_rope_paged_cache_eps_tensor", _fake_paged, lib=_LIB)
+for _name, _fake_impl in (("qk_norm_rope_cache", _fake), ("qk_norm_rope_paged_cache", _fake_paged)):
+    for _suffix in ("", "_eps_tensor"):
+        torch.library.register_fake(f"fusion_pass::{_name}{_suffix}", _fake_impl, lib=_LIB)
 
 
 def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
@@ -489,7 +445,6 @@ def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
     return None
 
 
-_LIB.impl("qk_norm_rope_cache", qk_norm_rope_cache, "CompositeExplicitAutograd")
-_LIB.impl("qk_norm_rope_cache_eps_tensor", qk_norm_rope_cache_eps_tensor, "CompositeExplicitAutograd")
-_LIB.impl("qk_norm_rope_paged_cache", qk_norm_rope_paged_cache, "CompositeExplicitAutograd")
-_LIB.impl("qk_norm_rope_paged_cache_eps_tensor", qk_norm_rope_paged_cache_eps_tensor, "CompositeExplicitAutograd")
+for _op in (qk_norm_rope_cache, qk_norm_rope_paged_cache):
+    _LIB.impl(_op.__name__, _op, "CompositeExplicitAutograd")
+    _LIB.impl(f"{_op.__name__}_eps_tensor", with_eps_tensors(_op), "CompositeExplicitAutograd")
