@@ -10,7 +10,7 @@ Written as torch ops, so that in a compiled graph they are ``aten.mm`` / ``aten.
 Inductor lowers itself (cuBLAS, or its own templates under ``max-autotune``), and eagerly they are
 cuBLAS calls. Hand-written Triton GEMMs (pointer, TMA, persistent, warp-specialized, split-store)
 and a two-stream route were measured against cuBLAS on the H200 and lost or tied
-(``benchmarks/NOTES-backward.md``, sessions 5-6), so they are gone.
+(``benchmarks/NOTES-backward.md``), so they are gone.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ NUM_WARPS = 4
 #: half row (16 tokens for D = 128 bf16), ``STREAM_BLOCKS`` blocks of one tensor per program sharing
 #: their cos/sin, a token block's programs consecutive. From 256 tokens on it beats the 8 heads x 4
 #: tokens tile on every case swept on the H200 (S293: 5.1 vs 6.2 us with cos/sin computed, S128 B2:
-#: 4.9 vs 5.7; ``benchmarks/NOTES-forward.md``, session 13).
+#: 4.9 vs 5.7; ``benchmarks/NOTES-forward.md``).
 STREAM_FROM_TOKENS = 256
 STREAM_BLOCKS = 4
 
@@ -160,7 +160,7 @@ def _norm_rope_interleaved(
     the weight's rows, loaded once per program; otherwise they are loaded here, per block:
     RoPE first after the RoPE, partial rotary before the norm. Held through the blocks they cost
     resident programs: RoPE first 108-115 registers instead of 90, partial rotary (beside its
-    select mask) 89 instead of 80 on sm_90 (NOTES-forward.md, sessions 18 and 19).
+    select mask) 89 instead of 80 on sm_90 (``benchmarks/NOTES-forward.md``).
     Returns the rows rounded to ``dtype`` (held in fp32)."""
     if ROPE_FIRST:
         y = x
@@ -763,7 +763,7 @@ def launch_config(
       symbolic B or S takes this tile (a symbolic S with ``tokens = rows // heads``: no guard on the
       length, so no recompile per length): one kernel then serves decode steps and prefills alike, and this tile
       is within ~5 % of the streaming one on long prefills (S4096: 68.7 vs 65.3 us) where the
-      streaming tile costs decode ~65 % (2.80 vs 1.69 us; H200, session 12).
+      streaming tile costs decode ~65 % (2.80 vs 1.69 us on the H200).
 
     The grid is (token blocks, q groups + 2 x k/v groups, B), or with ``group_major`` (token blocks x
     groups, 1, B), the groups of a token block consecutive; expressions of B and S when they are

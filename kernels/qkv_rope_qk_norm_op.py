@@ -548,7 +548,7 @@ class QKVRopeQKNormFunction(torch.autograd.Function):
 
     Why not the ``qkv_rope_qk_norm`` custom op in the graph: a custom op is opaque to Inductor, so
     its forward ran as eager PyTorch ops, slower than Inductor's fused forward (H200, HunYuanDenseV1
-    training step B2 S2048: 0.993x stock compile with the custom op, 2026-11-29). Here only the
+    training step B2 S2048: 0.993x stock compile with the custom op). Here only the
     backward is ours. Same saved tensors as the op (pre-RoPE projections, fp32 rstd).
 
     ``apply(hidden, q_norm_weight, k_norm_weight, cos, sin, num_q_heads, num_kv_heads, q_eps, k_eps,
