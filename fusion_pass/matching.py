@@ -89,12 +89,27 @@ def apply_first_to_last(pass_dict: PatternMatcherPass, graph: torch.fx.Graph) ->
 #: (``register_replacement``'s ``scalar_workaround`` turns it into a keyword argument).
 EPS_EXAMPLE = 1.2345e-5
 
+aten = torch.ops.aten
+
+#: Ops whose result is a view of their first argument's memory (followed back to find what a
+#: tensor aliases).
+VIEW_OPS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+                      aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+                      aten.squeeze.default, aten.slice.Tensor, aten.select.int, aten.expand.default,
+                      aten.alias.default, aten.as_strided.default))
+
+
+def node_value(node):
+    """The value a graph node was traced with (``meta["val"]``: a fake tensor, a SymInt, ...); None
+    for anything that is not a node, or a node without one."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
 
 def match_value(match: Match, name: str):
     """The value bound to ``name`` in ``match`` (a fake tensor or a constant); None when the
     pattern has no such argument (the weights of a weight-free norm)."""
     node = match.kwargs.get(name)
-    return node.meta["val"] if isinstance(node, torch.fx.Node) else node
+    return node_value(node) if isinstance(node, torch.fx.Node) else node
 
 
 def is_new_pattern(pass_dict: PatternMatcherPass, pattern) -> bool:

@@ -49,13 +49,11 @@ import sys
 
 import torch
 
+from fusion_pass.matching import VIEW_OPS, node_value
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _is_real_float(val) -> bool:
@@ -114,7 +112,7 @@ def square_products_as_pow(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if (node.op == "call_function" and node.target is aten.mul.Tensor and len(node.args) == 2
                 and node.args[0] is node.args[1] and isinstance(node.args[0], torch.fx.Node) and not node.kwargs):
-            if not _is_real_float(_val(node.args[0])):
+            if not _is_real_float(node_value(node.args[0])):
                 continue
             _replace_with_call(graph, node, aten.pow.Tensor_Scalar, (node.args[0], 2))
             rewritten += 1
@@ -157,7 +155,7 @@ def reciprocal_square_roots_as_rsqrt(graph: torch.fx.Graph) -> int:
 
 
 def _shape(node) -> tuple | None:
-    val = _val(node)
+    val = node_value(node)
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
@@ -235,8 +233,8 @@ def negative_units_as_neg(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if (node.op == "call_function" and node.target is aten.mul.Tensor and len(node.args) == 2 and not node.kwargs
                 and isinstance(node.args[0], torch.fx.Node) and not isinstance(node.args[1], torch.fx.Node)
-                and node.args[1] == -1 and _is_real_float(_val(node)) and _is_real_float(_val(node.args[0]))
-                and _val(node).dtype == _val(node.args[0]).dtype):
+                and node.args[1] == -1 and _is_real_float(node_value(node)) and _is_real_float(node_value(node.args[0]))
+                and node_value(node).dtype == node_value(node.args[0]).dtype):
             _replace_with_call(graph, node, aten.neg.default, (node.args[0],))
             rewritten += 1
     return rewritten
@@ -335,7 +333,7 @@ def sums_over_size_as_means(graph: torch.fx.Graph) -> int:
         total, size = node.args
         if total.target is not aten.sum.dim_IntList or len(total.users) != 1 or total.kwargs:
             continue
-        shape, val = _shape(total.args[0]), _val(total.args[0])
+        shape, val = _shape(total.args[0]), node_value(total.args[0])
         if not (isinstance(val, torch.Tensor) and val.dtype in _EXACT_SUM_DTYPES and val.dim() >= 1):
             continue
         dims, keepdim = total.args[1], (total.args[2] if len(total.args) > 2 else False)
@@ -402,7 +400,7 @@ def half_splits_as_slices(graph: torch.fx.Graph) -> int:
             continue
         x, size = node.args[0], node.args[1]
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-        val = _val(x)
+        val = node_value(x)
         if not isinstance(val, torch.Tensor) or not isinstance(size, int) or not isinstance(dim, int):
             continue
         dim = dim % val.dim()
@@ -424,8 +422,8 @@ def _halves_view(view: torch.fx.Node, dim) -> torch.fx.Node | None:
     (``x.unflatten(-1, (2, -1))``), else None."""
     if not isinstance(view, torch.fx.Node) or view.target not in (aten.reshape.default, aten.view.default):
         return None
-    x, out = view.args[0], _val(view)
-    x_val = _val(x)
+    x, out = view.args[0], node_value(view)
+    x_val = node_value(x)
     if not (isinstance(x_val, torch.Tensor) and isinstance(out, torch.Tensor) and isinstance(dim, int)):
         return None
     if out.dim() != x_val.dim() + 1 or dim % out.dim() != out.dim() - 2:
@@ -455,10 +453,10 @@ def half_unbinds_as_slices(graph: torch.fx.Graph) -> int:
             pieces = [(node, node.args[2] % 2)]
         else:
             continue
-        size, view = _val(x).shape[-1] // 2, node.args[0]
+        size, view = node_value(x).shape[-1] // 2, node.args[0]
         for user, index in pieces:
             start, end = (0, size) if index == 0 else (size, sys.maxsize)
-            _replace_with_call(graph, user, aten.slice.Tensor, (x, _val(x).dim() - 1, start, end))
+            _replace_with_call(graph, user, aten.slice.Tensor, (x, node_value(x).dim() - 1, start, end))
         if node.target is aten.unbind.int:
             graph.erase_node(node)
         if not view.users:  # a dead user of x would keep x's other users from matching
@@ -491,11 +489,6 @@ def scatter_sums_second_half_first(graph: torch.fx.Graph) -> int:
 #: can be dropped without changing a value.
 _ELEMENTWISE_READERS = (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.pow.Tensor_Scalar,
                         prims.convert_element_type.default, aten.cat.default)
-#: Views followed back to the tensor whose storage they share.
-_ALIASING_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-                   aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-                   aten.slice.Tensor, aten.select.int, aten.expand.default, aten.alias.default, aten.as_strided.default)
-
 
 def _storage_root(node):
     """The node whose storage ``node`` shares: followed back through views, the items of views
@@ -503,7 +496,7 @@ def _storage_root(node):
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args:
         if "out" in node.kwargs:
             node = node.kwargs["out"]
-        elif (node.target in _ALIASING_VIEWS or node.target is operator.getitem
+        elif (node.target in VIEW_OPS or node.target is operator.getitem
               or (isinstance(node.target, torch._ops.OpOverload) and not _returns_new_tensor(node))):
             node = node.args[0]
         else:
@@ -616,13 +609,13 @@ def _products_of_halves(node) -> list:
 def _hf_rotation_values(x, x1, x2, cos, sin):
     """Meta values of ``half_table_rotations_as_rotate_half``'s nodes, computed on the inputs' fake
     values: (cat(c, c), cat(s, s), -x2, cat(-x2, x1), x * cos, rotated * sin, their sum)."""
-    mode = torch._guards.detect_fake_mode([_val(x)])
+    mode = torch._guards.detect_fake_mode([node_value(x)])
     with mode:
         # A graph made by a tracer that gives nodes fake modes of their own (pattern_matcher.fwd_only
         # does): values of x's mode with the same sizes, strides and dtype.
         xv, x1v, x2v, cv, sv = (v if getattr(v, "fake_mode", None) is mode
                                 else torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                                for v in (_val(n) for n in (x, x1, x2, cos, sin)))
+                                for v in (node_value(n) for n in (x, x1, x2, cos, sin)))
         full_cos, full_sin, neg = torch.cat([cv, cv], -1), torch.cat([sv, sv], -1), torch.neg(x2v)
         rotated = torch.cat([neg, x1v], -1)
         x_cos, rotated_sin = xv * full_cos, rotated * full_sin
@@ -673,7 +666,7 @@ def half_table_rotations_as_rotate_half(graph: torch.fx.Graph) -> list:
             values = _hf_rotation_values(x, x1, x2, cos, sin)
         except Exception:  # noqa: BLE001  (tables that do not broadcast into x: not a RoPE)
             continue
-        if values[-1].shape != _val(node).shape or values[-1].dtype != _val(node).dtype:
+        if values[-1].shape != node_value(node).shape or values[-1].dtype != node_value(node).dtype:
             continue
         # One full table per half table: q's and k's RoPE then read the same node, as the patterns'.
         full_cos, full_sin = (_full_table(graph, t, full_tables, v) for t, v in ((cos, values[0]), (sin, values[1])))
@@ -686,9 +679,9 @@ def half_table_rotations_as_rotate_half(graph: torch.fx.Graph) -> list:
         for new, value in zip((neg, rotated, x_cos, rotated_sin, total), values[2:]):
             new.meta["val"] = value
         node.replace_all_uses_with(total)
-        rewritten.append((total, (first.target, [(p.target, p.args, _val(p)) for p in first.args], _val(first)),
-                          (second.target, [(p.target, p.args, _val(p)) for p in second.args], _val(second)),
-                          node.args[1], _val(node)))
+        rewritten.append((total, (first.target, [(p.target, p.args, node_value(p)) for p in first.args], node_value(first)),
+                          (second.target, [(p.target, p.args, node_value(p)) for p in second.args], node_value(second)),
+                          node.args[1], node_value(node)))
         for dead in (node, first, second, *first.args, *second.args):
             if not dead.users:
                 graph.erase_node(dead)

@@ -60,7 +60,7 @@ from fusion_pass.kernels.qkv_rope_qk_norm_backward_triton import NORM_STYLES
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rope_reference
 from fusion_pass.kernels.triton_device import kernels_in_graph
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
-from fusion_pass.matching import trace_canonical
+from fusion_pass.matching import node_value, trace_canonical
 from fusion_pass.patterns.canonical_forms import ORIGIN, canonicalize
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
 
@@ -263,10 +263,6 @@ class _Refused(Exception):
     """The region cannot be fused; ``str()`` is the near-miss reason (None: say nothing)."""
 
 
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
 def _single(origins: set) -> torch.fx.Node:
     """The one original node a matched node stands for (a merged table stands for several)."""
     if len(origins) != 1:
@@ -371,13 +367,13 @@ def _find_region(found: _Found, backward_nodes: set, index: _SequenceIndex) -> _
                 backward.add(user)
                 todo.append(user)
     incoming = {a for n in backward for a in n.all_input_nodes if a not in backward}
-    grads_in = {a for a in incoming if a in backward_nodes and isinstance(_val(a), torch.Tensor)}
+    grads_in = {a for a in incoming if a in backward_nodes and isinstance(node_value(a), torch.Tensor)}
     if len(grads_in) != 1:
         raise _Refused("per-head RMSNorm <-> RoPE in training whose backward could not be delimited "
                        f"({len(grads_in)} incoming gradients)")
     grad = next(iter(grads_in))
     # Sizes (SymInt nodes: the symbolic batch and sequence) may come from anywhere.
-    if any(isinstance(_val(a), torch.Tensor) for a in incoming - grads_in - region - inputs):
+    if any(isinstance(node_value(a), torch.Tensor) for a in incoming - grads_in - region - inputs):
         raise _Refused("per-head RMSNorm <-> RoPE in training whose backward reads other forward values")
     roles = {x: "x", weight: "weight", **{c: "cos" for c in cos}, **{s: "sin" for s in sin}}
     seq_to_forward = collections.defaultdict(list)
@@ -394,7 +390,7 @@ def _find_region(found: _Found, backward_nodes: set, index: _SequenceIndex) -> _
             found_roles = {role for f in seq_to_forward.get(leaf.meta.get("seq_nr"), ())
                            for role in _input_roles(f, roles, region, seq_nrs_with_backward)}
             candidates = found_roles if candidates is None else candidates & found_roles
-        value = _val(node)
+        value = node_value(node)
         candidates = {r for r in candidates or () if isinstance(value, torch.Tensor) and _role_shape_matches(
             r, value, x, weight, cos, sin)}
         if len(candidates) != 1 or next(iter(candidates)) in outputs:
@@ -420,7 +416,7 @@ def _input_roles(node: torch.fx.Node, roles: dict, region: set, seq_nrs_with_bac
 
 def _role_shape_matches(role: str, value: torch.Tensor, x, weight, cos: set, sin: set) -> bool:
     node = {"x": x, "weight": weight, "cos": next(iter(cos)), "sin": next(iter(sin))}[role]
-    expected = _val(node)
+    expected = node_value(node)
     return isinstance(expected, torch.Tensor) and tuple(expected.shape) == tuple(value.shape)
 
 
@@ -428,9 +424,9 @@ def _role_shape_matches(role: str, value: torch.Tensor, x, weight, cos: set, sin
 
 def _refusal(region: _Region) -> str | None:
     """Why the kernel cannot take this region (None: it can)."""
-    x, grad = _val(region.x), _val(region.grad)
-    cos, sin = _val(next(iter(region.cos))), _val(next(iter(region.sin)))
-    weight = _val(region.weight) if region.weight is not None else None
+    x, grad = node_value(region.x), node_value(region.grad)
+    cos, sin = node_value(next(iter(region.cos))), node_value(next(iter(region.sin)))
+    weight = node_value(region.weight) if region.weight is not None else None
     if not fusion_config.device_allowed(x.device):
         return f"device type {x.device.type!r} is not enabled (fusion_pass.install(devices=...))"
     tensors = [t for t in (x, grad, cos, sin, weight) if t is not None]
@@ -475,10 +471,10 @@ def _table_problem(region: _Region) -> str | None:
     broadcasts against RoPE's 4-D operand, so with leading ones it must be 1 over the heads, S over
     the positions and 1 or B over the batch ([S, R], [B, 1, S, R] and [B, S, 1, R] all are)."""
     heads_first, head_axis = _kernel_layout(region)
-    x = _val(region.x)
+    x = node_value(region.x)
     batch, seq = x.shape[0], x.shape[2] if heads_first else x.shape[1]
     for name, nodes in (("cos", region.cos), ("sin", region.sin)):
-        table = _val(next(iter(nodes)))
+        table = node_value(next(iter(nodes)))
         if not isinstance(table, torch.Tensor) or not 1 <= table.dim() <= 4:
             return f"per-head RMSNorm <-> RoPE in training with a {name} that is not a 1- to 4-D tensor"
         shape = (1,) * (4 - table.dim()) + tuple(table.shape)
@@ -487,7 +483,7 @@ def _table_problem(region: _Region) -> str | None:
                 and (statically_known_true(shape[0] == 1) or statically_known_true(shape[0] == batch))):
             return (f"per-head RMSNorm <-> RoPE in training with {name} of shape {tuple(table.shape)} (the backward "
                     "kernel takes tables that vary over the batch and positions only)")
-    cos, sin = (_val(next(iter(nodes))) for nodes in (region.cos, region.sin))
+    cos, sin = (node_value(next(iter(nodes))) for nodes in (region.cos, region.sin))
     if cos.dim() != sin.dim() or not all(statically_known_true(a == b) for a, b in zip(cos.shape, sin.shape)):
         return (f"per-head RMSNorm <-> RoPE in training with cos {tuple(cos.shape)} and sin {tuple(sin.shape)} of "
                 "different shapes")
@@ -509,7 +505,7 @@ def _replacement(region: _Region) -> tuple[Callable, list[torch.fx.Node], list[s
     need_weight = "weight" in roles and form.weighted
     need_tables = "cos" in roles or "sin" in roles
     eps = region.found.eps
-    x_val = _val(region.x)
+    x_val = node_value(region.x)
     batch, seq = (x_val.shape[0], x_val.shape[2]) if heads_first else (x_val.shape[0], x_val.shape[1])
     in_graph = kernels_in_graph(x_val) and all(isinstance(s, int) for s in x_val.shape) and batch * seq > 0
 
@@ -559,7 +555,7 @@ def _replace(region: _Region) -> list[torch.fx.Node]:
     fn, inputs, roles = _replacement(region)
     graph = region.y.graph
     with torch.inference_mode(False):
-        replacement = fwd_only(fn, [_val(n) for n in inputs], run_functional_passes=False)
+        replacement = fwd_only(fn, [node_value(n) for n in inputs], run_functional_passes=False)
     env: dict[torch.fx.Node, Any] = {}
     placeholders = iter(inputs)
     results, anchor, inserted = None, region.grad, []

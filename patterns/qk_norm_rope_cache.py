@@ -78,7 +78,7 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import (
     partial_rope_reference,
     rope_reference,
 )
-from fusion_pass.matching import EPS_EXAMPLE, apply_first_to_last, match_value, trace_as_post_grad
+from fusion_pass.matching import VIEW_OPS, EPS_EXAMPLE, apply_first_to_last, match_value, trace_as_post_grad
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
 from fusion_pass.patterns.cache_write_forms import (
     canonicalize_slice_writes,
@@ -392,15 +392,10 @@ def _op_call(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v
 
 # --- checks ----------------------------------------------------------------------------
 
-#: Ops whose result shares its input's memory (the region's inputs reach the kernel as views).
-_VIEW_OPS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-                       aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
-                       aten.squeeze.dim, aten.expand.default, aten.alias.default, aten.as_strided.default))
-
 
 def _memory_root(node):
     """The node whose memory ``node`` views (itself when it is not a view)."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
         node = node.args[0]
     return node
 

@@ -90,6 +90,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.families import Family
+from fusion_pass.matching import match_value
 from fusion_pass.pattern_cache import inputs_signature, traced_pattern
 from fusion_pass.patterns.canonical_forms import scatter_sums_second_half_first
 # The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
@@ -233,11 +234,6 @@ def variant_counts() -> dict[str, int]:
 
 def reset_variant_counts() -> None:
     _variant_counts.clear()
-
-
-def _value(match: Match, name: str) -> Any:
-    bound = match.kwargs[name]
-    return bound.meta.get("val") if isinstance(bound, torch.fx.Node) else bound
 
 
 def _near_miss(reason: str) -> bool:
@@ -388,7 +384,7 @@ def _check(match: Match, tensor_names: tuple[str, ...], q_size: int, kv_size: in
     nodes = [match.kwargs[n] for n in tensor_names]
     if len(set(nodes)) != len(nodes):
         return False  # one graph value bound to two pattern inputs: not the modelled code
-    values = {n: _value(match, n) for n in tensor_names}
+    values = {n: match_value(match, n) for n in tensor_names}
     if any(not isinstance(v, torch.Tensor) for v in values.values()):
         return False
     hidden, q_w, k_w = values["hidden"], values["q_norm_weight"], values["k_norm_weight"]
@@ -439,7 +435,7 @@ def _check_fused(match: Match) -> bool:
     q_size, kv_size = match.kwargs["q_size"], match.kwargs["kv_size"]
     if type(q_size) is not int or type(kv_size) is not int:
         return False
-    weight = _value(match, "qkv_weight")
+    weight = match_value(match, "qkv_weight")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not _same(weight.shape[0], q_size + 2 * kv_size):
         return False  # the split does not cover the projection: some other layout
     return _check(match, names, q_size, kv_size, [weight.shape[1]])
@@ -449,7 +445,7 @@ def _check_separate(match: Match) -> bool:
     names = ("hidden", "q_weight", "k_weight", "v_weight", "q_norm_weight", "k_norm_weight", "cos", "sin")
     if "q_bias" in match.kwargs:
         names += ("q_bias", "k_bias", "v_bias")
-    weights = [_value(match, n) for n in ("q_weight", "k_weight", "v_weight")]
+    weights = [match_value(match, n) for n in ("q_weight", "k_weight", "v_weight")]
     if any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
         return False
     if not _same_shape(weights[2], weights[1].shape):
