@@ -39,9 +39,8 @@ from __future__ import annotations
 import torch
 
 from .qk_norm_rope_cache_reference import NORM_STYLES, qk_norm_rope_cache_reference
+from .rounding import SUPPORTED_DTYPES
 from .triton_device import triton_applicable
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def output_dtype(q: torch.Tensor, q_weight: torch.Tensor | None, cos: torch.Tensor, norm: str = "weight") -> torch.dtype:

@@ -106,7 +106,7 @@ import triton
 import triton.language as tl
 
 from .projection_backward import projection_gemms
-from .rounding import round_sum, round_to
+from .rounding import SUPPORTED_DTYPES, round_sum, round_to
 from .triton_device import sm_count, triton_applicable
 from .triton_call import TritonCall, named_args
 
@@ -136,7 +136,6 @@ _ROUND_MODE = {torch.float32: _ROUND_NONE, torch.bfloat16: _ROUND_BF16, torch.fl
 #: ``w * R(x * rstd)`` (weight-free norms: w = 1), and the fp32 forms ``R(x * rstd * w)`` (``nn.RMSNorm``,
 #: ``F.rms_norm``, Gemma3n) and ``R(x * rstd * (1 + w))`` (Gemma3, Qwen3-Next, Qwen3.5).
 NORM_STYLES = {"weight": 0, "fp32_weight": 1, "fp32_one_plus_weight": 2}
-SUPPORTED_DTYPES = tuple(_ROUND_MODE)
 
 
 # ----------------------------------------------------------------------------------------------

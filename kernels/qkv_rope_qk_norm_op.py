@@ -56,8 +56,7 @@ from .projection_backward import projection_gemms
 from .qkv_rope_qk_norm_backward_triton import qk_norm_rope_backward_in_graph, qk_norm_rope_backward_triton
 from .triton_device import kernels_in_graph, triton_applicable
 from .qkv_rope_qk_norm_reference import qk_norm_rope_backward_reference, qkv_rope_qk_norm_forward_reference
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .rounding import SUPPORTED_DTYPES
 
 
 def _fail(op: str, name: str, expected: str, got: object) -> None:

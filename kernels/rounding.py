@@ -22,8 +22,12 @@ instead of rounding to nearest even; there bf16 rounding is done on the fp32 bit
 by numpy's (correctly rounding) cast.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+#: The dtypes whose eager rounding the kernels reproduce, and so the dtypes every op and family takes.
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit

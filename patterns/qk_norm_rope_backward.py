@@ -58,6 +58,7 @@ from fusion_pass.families import Family
 from fusion_pass.kernels.qk_norm_rope_backward_op import backward_in_graph
 from fusion_pass.kernels.qkv_rope_qk_norm_backward_triton import NORM_STYLES
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rope_reference
+from fusion_pass.kernels.rounding import SUPPORTED_DTYPES
 from fusion_pass.kernels.triton_device import kernels_in_graph
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
 from fusion_pass.matching import node_value, trace_canonical
@@ -69,7 +70,6 @@ FAMILY = Family("qk_norm_rope_backward", "per-head RMSNorm <-> RoPE of q or k in
 
 aten = torch.ops.aten
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: ``NormForm.style`` -> the kernel's ``NORM_STYLES`` value: weight-free forms are the fp32 weight's
 #: with a weight of ones (``R(n * 1)`` is ``R(n)``; like those forms, they end in x's dtype, which
 #: decides the rounding of RoPE's backward under autocast).

@@ -96,11 +96,10 @@ from fusion_pass.patterns.canonical_forms import scatter_sums_second_half_first
 # The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
 from fusion_pass.kernels.qkv_rope_qk_norm_op import QKVRopeQKNormFunction
+from fusion_pass.kernels.rounding import SUPPORTED_DTYPES
 
 FAMILY = Family("qkv_rope_qk_norm", "QKV projection -> RoPE -> per-head RMSNorm, fused forward and backward",
                 stage="joint")
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Unusual scalars that stand for the captured values while tracing (they must not collide with
 # any other constant of the traced graphs: see _EXAMPLE below).
