@@ -43,6 +43,16 @@ from .rounding import SUPPORTED_DTYPES
 from .triton_device import triton_applicable
 
 
+class ArgumentError(ValueError):
+    """An argument that breaks one of the ops' contracts. ``str()`` names the op; ``reason`` is the
+    rest, which names the argument and what was expected (a refused match reports it as its
+    near-miss)."""
+
+    def __init__(self, op: str, reason: str) -> None:
+        super().__init__(f"fusion_pass.{op}: {reason}")
+        self.op, self.reason = op, reason
+
+
 def output_dtype(q: torch.Tensor, q_weight: torch.Tensor | None, cos: torch.Tensor, norm: str = "weight") -> torch.dtype:
     """dtype of q_out/k_out (and of cos/sin and the k cache): q's, or fp32 in a bf16/fp16
     ``torch.autocast`` region over an fp32 model, where the projections run in half precision
@@ -69,7 +79,7 @@ def check_qk_norm_rope_cache_args(
     interleaved: bool = False,
     rope_first: bool = False,
 ) -> None:
-    """Raise ``ValueError`` naming the first argument that breaks the op's contract.
+    """Raise ``ArgumentError`` (a ``ValueError``) naming the first argument that breaks the op's contract.
 
     ``q_weight``/``k_weight`` are [D] tensors of q's dtype or fp32 (``output_dtype`` says what the
     outputs then are), or None exactly when ``norm`` is ``"no_weight"``. cos/sin and k_cache have the outputs' dtype, v_cache v's. cos/sin are ``rotary_dim`` wide (D when
@@ -79,7 +89,7 @@ def check_qk_norm_rope_cache_args(
     """
 
     def fail(name: str, expected: str, got: object) -> None:
-        raise ValueError(f"fusion_pass.qk_norm_rope_cache: {name}: expected {expected}, got {got}")
+        raise ArgumentError("qk_norm_rope_cache", f"{name}: expected {expected}, got {got}")
 
     if q.dim() != 4:
         fail("q", "a 4-D tensor [B, Hq, S, D]", f"shape {tuple(q.shape)}")
@@ -280,18 +290,18 @@ def paged_cache_rows(cache: torch.Tensor, name: str, kv_heads: int, head_dim: in
     slot_mapping`` lands where ``cache.view(-1, Hkv, D)[slot_mapping] = k`` writes. It is a view:
     writes through it update ``cache`` itself.
 
-    Raises ``ValueError`` naming ``name`` when the cache is not ``[..., Hkv, D]`` or its leading
+    Raises ``ArgumentError`` (a ``ValueError``) naming ``name`` when the cache is not ``[..., Hkv, D]`` or its leading
     dims cannot be flattened without a copy.
     """
     if cache.dim() < 3 or tuple(cache.shape[-2:]) != (kv_heads, head_dim):
-        raise ValueError(f"fusion_pass.qk_norm_rope_paged_cache: {name}: expected shape [..., Hkv={kv_heads}, "
-                         f"D={head_dim}] ([num_blocks, block_size, Hkv, D] or [slots, Hkv, D]), got shape "
-                         f"{tuple(cache.shape)}")
+        raise ArgumentError("qk_norm_rope_paged_cache", f"{name}: expected shape [..., Hkv={kv_heads}, "
+                            f"D={head_dim}] ([num_blocks, block_size, Hkv, D] or [slots, Hkv, D]), got shape "
+                            f"{tuple(cache.shape)}")
     try:
         flat = cache.view(-1, kv_heads, head_dim)
     except RuntimeError:
-        raise ValueError(f"fusion_pass.qk_norm_rope_paged_cache: {name}: expected leading dims that flatten to "
-                         f"slots without a copy, got strides {tuple(cache.stride())}") from None
+        raise ArgumentError("qk_norm_rope_paged_cache", f"{name}: expected leading dims that flatten to "
+                            f"slots without a copy, got strides {tuple(cache.stride())}") from None
     return flat.transpose(0, 1).unsqueeze(0)
 
 
@@ -312,17 +322,17 @@ def check_qk_norm_rope_paged_cache_args(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the paged op's arguments; return the ``[1, Hkv, slots, D]`` views of both caches.
 
-    Raises ``ValueError`` naming the first argument that breaks the contract (the dense op's
+    Raises ``ArgumentError`` (a ``ValueError``) naming the first argument that breaks the contract (the dense op's
     rules apply to the views, with ``slot_mapping`` as ``cache_position``).
     """
     if q.dim() != 4 or q.shape[0] != 1:
-        raise ValueError("fusion_pass.qk_norm_rope_paged_cache: q: expected a 4-D tensor [1, Hq, T, D] (tokens "
-                         f"flattened into one batch row), got shape {tuple(q.shape)}")
+        raise ArgumentError("qk_norm_rope_paged_cache", "q: expected a 4-D tensor [1, Hq, T, D] (tokens "
+                            f"flattened into one batch row), got shape {tuple(q.shape)}")
     kv_heads, head_dim = (k.shape[1], k.shape[3]) if k.dim() == 4 else (-1, -1)
     if key_cache.dtype != value_cache.dtype or tuple(key_cache.shape) != tuple(value_cache.shape):
-        raise ValueError("fusion_pass.qk_norm_rope_paged_cache: value_cache: expected key_cache's shape "
-                         f"{tuple(key_cache.shape)} and dtype {key_cache.dtype}, got {tuple(value_cache.shape)} "
-                         f"and {value_cache.dtype}")
+        raise ArgumentError("qk_norm_rope_paged_cache", "value_cache: expected key_cache's shape "
+                            f"{tuple(key_cache.shape)} and dtype {key_cache.dtype}, got {tuple(value_cache.shape)} "
+                            f"and {value_cache.dtype}")
     k_rows = paged_cache_rows(key_cache, "key_cache", kv_heads, head_dim)
     v_rows = paged_cache_rows(value_cache, "value_cache", kv_heads, head_dim)
     check_qk_norm_rope_cache_args(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, slot_mapping, norm,
@@ -395,7 +405,7 @@ def with_eps_tensors(op):
 
 def _eps_value(eps: torch.Tensor, name: str) -> float:
     if eps.numel() != 1:
-        raise ValueError(f"fusion_pass.qk_norm_rope_cache: {name}: expected a 0-d tensor, got shape {tuple(eps.shape)}")
+        raise ArgumentError("qk_norm_rope_cache", f"{name}: expected a 0-d tensor, got shape {tuple(eps.shape)}")
     return float(eps)
 
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
@@ -62,6 +61,7 @@ from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.families import Family
 from fusion_pass.kernels.qk_norm_rope_cache_op import (
+    ArgumentError,
     check_qk_norm_rope_cache_args,
     check_qk_norm_rope_paged_cache_args,
     output_dtype,
@@ -176,7 +176,7 @@ _ALL_NORMS = tuple(NORM_FORMS)
 _AUTOCAST_NORMS = tuple(name for name, form in NORM_FORMS.items() if form.casts_weight)
 
 
-def _rows(norms, geometries, **choices) -> tuple:
+def _variants_for(norms, geometries, **choices) -> tuple:
     """One variant per norm form and geometry with the given choices (``Variant``'s fields), two
     for a norm whose graph differs when it reads the transposed view of ``[B, S, H, D]`` (on
     ``[B, H, S, D]``; not after a partial RoPE, whose ``cat`` gives the norm a contiguous tensor)."""
@@ -188,22 +188,23 @@ def _rows(norms, geometries, **choices) -> tuple:
 
 
 # The combinations registered: each row a set of choices, with the norms and geometries it
-# covers (``docs/fusions.md`` has the table; ``tests/test_readme_coverage.py`` keeps it equal).
+# covers (``docs/fusions.md`` has the table; ``tests/test_fusions_doc.py`` keeps it equal).
 VARIANTS = (
-    _rows(_ALL_NORMS, _GEOMETRIES)  # Qwen3, Gemma3, ...: norm -> rotate_half RoPE -> cache
-    + _rows(("qwen3",), [g for g in _GEOMETRIES if g[0] != "bshd"], rope_first=True)  # HunYuan
-    + _rows(_ALL_NORMS[1:], [("bhsd", "dense")], rope_first=True)
-    + _rows(_ALL_NORMS, [("bshd", "dense"), ("bshd", "paged"), ("bshd", "flat")], partial_rope=True)  # GLM-4.5, Qwen3.5
-    + _rows(_ALL_NORMS, [("bshd", "dense")], interleaved=True)  # GLM's RoPE
-    + _rows(_ALL_NORMS, [("bshd", "dense")], rope_before_transpose=True)  # Gemma3n, Gemma4
-    + _rows(_ALL_NORMS, [("bshd", "dense")], partial_rope=True, interleaved=True)  # GLM's partial RoPE
-    + _rows(_ALL_NORMS, [("bhsd", "dense")], rope_first=True, partial_rope=True)
-    + _rows(_ALL_NORMS, [("bhsd", "dense")], rope_first=True, interleaved=True)
+    _variants_for(_ALL_NORMS, _GEOMETRIES)  # Qwen3, Gemma3, ...: norm -> rotate_half RoPE -> cache
+    + _variants_for(("qwen3",), [g for g in _GEOMETRIES if g[0] != "bshd"], rope_first=True)  # HunYuan
+    + _variants_for(_ALL_NORMS[1:], [("bhsd", "dense")], rope_first=True)
+    + _variants_for(_ALL_NORMS, [("bshd", "dense"), ("bshd", "paged"), ("bshd", "flat")],
+                    partial_rope=True)  # GLM-4.5, Qwen3.5
+    + _variants_for(_ALL_NORMS, [("bshd", "dense")], interleaved=True)  # GLM's RoPE
+    + _variants_for(_ALL_NORMS, [("bshd", "dense")], rope_before_transpose=True)  # Gemma3n, Gemma4
+    + _variants_for(_ALL_NORMS, [("bshd", "dense")], partial_rope=True, interleaved=True)  # GLM's partial RoPE
+    + _variants_for(_ALL_NORMS, [("bhsd", "dense")], rope_first=True, partial_rope=True)
+    + _variants_for(_ALL_NORMS, [("bhsd", "dense")], rope_first=True, interleaved=True)
     # Autocast over an fp32 model, the forms that cast their weight: Gemma3's and Qwen3-Next's
     # (after or before the transpose; partial rotary), Gemma3n's (RoPE before the transpose).
-    + _rows(_AUTOCAST_NORMS, [("bshd", "dense"), ("bhsd", "dense")], autocast=True)
-    + _rows(("gemma3",), [("bshd", "dense")], partial_rope=True, autocast=True)
-    + _rows(("gemma3n",), [("bshd", "dense")], rope_before_transpose=True, autocast=True)
+    + _variants_for(_AUTOCAST_NORMS, [("bshd", "dense"), ("bhsd", "dense")], autocast=True)
+    + _variants_for(("gemma3",), [("bshd", "dense")], partial_rope=True, autocast=True)
+    + _variants_for(("gemma3n",), [("bshd", "dense")], rope_before_transpose=True, autocast=True)
 )
 
 
@@ -445,8 +446,8 @@ def _check(match: Match, variant: Variant) -> bool:
                   match_value(match, "v_cache"), match_value(match, "cache_position"), variant.norm_form.style,
                   cos.shape[-1] if variant.partial_rope else None, variant.interleaved, **order)
             reason = unsupported_reason(q.shape[-1], q.dtype)
-    except ValueError as error:
-        reason = re.sub(r"^fusion_pass\.qk_norm_rope_(paged_)?cache: ", "", str(error))
+    except ArgumentError as error:
+        reason = error.reason
     if reason is not None:
         match_report.record_near_miss(FAMILY.name, reason)
         for node in match.nodes:  # reported once, with its reason: not again as a bare norm -> RoPE
