@@ -47,6 +47,7 @@ import triton.testing  # noqa: E402
 
 import fusion_pass  # noqa: E402
 from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel  # noqa: E402
+from fusion_pass.kernels import qk_norm_rope_cache_reference as cache_reference  # noqa: E402
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (  # noqa: E402
     qk_norm_rope_cache_reference,
     rms_norm_reference,
@@ -272,7 +273,7 @@ def ulp_error(out_q, out_k, x: dict, module: QKNormRopeCache, cos, sin) -> float
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
     q_rot = q_ref * cos4 + rotate_half(q_ref) * sin4
     k_rot = k_ref * cos4 + rotate_half(k_ref) * sin4
-    return max(kernel.rope_ulp_error(out_q, q_rot, q_ref, cos, sin), kernel.rope_ulp_error(out_k, k_rot, k_ref, cos, sin))
+    return max(cache_reference.rope_ulp_error(out_q, q_rot, q_ref, cos, sin), cache_reference.rope_ulp_error(out_k, k_rot, k_ref, cos, sin))
 
 
 def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: bool, print_report: bool,
@@ -282,7 +283,7 @@ def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: 
     module = QKNormRopeCache(HEAD_DIM, EPS, ROPE_THETA, DTYPE, DEVICE)
     x = make_inputs(seq, cached, batch)
     args = (x["query"], x["key"], x["value"], x["position_ids"], x["key_cache"], x["value_cache"], x["cache_position"])
-    cos, sin = kernel.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
+    cos, sin = cache_reference.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
     qw, kw = module.q_norm_weight.detach(), module.k_norm_weight.detach()
 
     with torch.no_grad():
@@ -300,8 +301,8 @@ def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: 
         q_ref, k_ref = qk_norm_rope_cache_reference(
             x["query"], x["key"], x["value"], qw, kw, cos, sin, dummy, dummy.clone(), skip, EPS, EPS)
         r["max_ulp"] = max(
-            kernel.rope_ulp_error(q_out, q_ref, rms_norm_reference(x["query"], qw, EPS), cos, sin),
-            kernel.rope_ulp_error(k_out, k_ref, rms_norm_reference(x["key"], kw, EPS), cos, sin),
+            cache_reference.rope_ulp_error(q_out, q_ref, rms_norm_reference(x["query"], qw, EPS), cos, sin),
+            cache_reference.rope_ulp_error(k_out, k_ref, rms_norm_reference(x["key"], kw, EPS), cos, sin),
         )
         if r["max_ulp"] > 1.0:
             log(f"    WARNING: op differs from the reference by {r['max_ulp']} bf16 ulps (> 1)")
@@ -337,8 +338,8 @@ def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: 
                 synchronize()
                 log(f"    compiled in {time.perf_counter() - t0:.1f} s")
                 check_caches(x, k_c, cached, seq)
-                ulps = kernel.rope_ulp_error(q_c, q_eager, rms_norm_reference(x["query"], qw, EPS), cos, sin)
-                ulps = max(ulps, kernel.rope_ulp_error(k_c, k_eager, rms_norm_reference(x["key"], kw, EPS), cos, sin))
+                ulps = cache_reference.rope_ulp_error(q_c, q_eager, rms_norm_reference(x["query"], qw, EPS), cos, sin)
+                ulps = max(ulps, cache_reference.rope_ulp_error(k_c, k_eager, rms_norm_reference(x["key"], kw, EPS), cos, sin))
                 return (lambda: fn(*args)), ulps
 
             def stock():
@@ -403,7 +404,7 @@ def sweep(copy_tbps: float) -> list[dict]:
         x = make_inputs(seq, cached, batch)
         for name in ("query", "key", "value"):  # the transposed views of [B, S, H, D] projections
             x[name] = x[name].transpose(1, 2).contiguous().transpose(1, 2)
-        cos, sin = kernel.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
+        cos, sin = cache_reference.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
         q_out, k_out = torch.empty_like(x["query"]), torch.empty_like(x["key"])
         floor_us = case_bytes(seq, batch) / (copy_tbps * 1e12) * 1e6
         # The reference's q on a cache-free call (its cache writes go to a 1-row dummy, all skipped).
@@ -431,7 +432,7 @@ def sweep(copy_tbps: float) -> list[dict]:
                     q_out.zero_()
                     launch()
                     check_caches(x, k_out, cached, seq)
-                    row["max_ulp"] = kernel.rope_ulp_error(q_out, q_ref, q_normed, cos, sin)
+                    row["max_ulp"] = cache_reference.rope_ulp_error(q_out, q_ref, q_normed, cos, sin)
                     row["graph_us"] = bench_graph(launch, rep_ms=30)
                     row["over_floor"] = row["graph_us"] / floor_us
                 except Exception as e:  # noqa: BLE001
@@ -546,13 +547,13 @@ def interpreter_check() -> None:
     w = (torch.rand(2, head_dim, generator=g) + 0.5).to(DTYPE)
     positions = torch.tensor([5, 6, 7])
     inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    cos, sin = kernel.rope_cos_sin_reference(positions[None], inv_freq, 1.0, DTYPE)
+    cos, sin = cache_reference.rope_cos_sin_reference(positions[None], inv_freq, 1.0, DTYPE)
     caches = [torch.randn(batch, kv_heads, length, head_dim, generator=g).to(DTYPE) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
     q_out, k_out = torch.ops.fusion_pass.qk_norm_rope_cache(q, k, v, w[0], w[1], cos, sin, *caches, positions, EPS, EPS)
     q_ref, k_ref = qk_norm_rope_cache_reference(q, k, v, w[0], w[1], cos, sin, *ref_caches, positions, EPS, EPS)
-    ulps = max(kernel.rope_ulp_error(q_out, q_ref, rms_norm_reference(q, w[0], EPS), cos, sin),
-               kernel.rope_ulp_error(k_out, k_ref, rms_norm_reference(k, w[1], EPS), cos, sin))
+    ulps = max(cache_reference.rope_ulp_error(q_out, q_ref, rms_norm_reference(q, w[0], EPS), cos, sin),
+               cache_reference.rope_ulp_error(k_out, k_ref, rms_norm_reference(k, w[1], EPS), cos, sin))
     ok = ulps <= 1.0 and torch.equal(caches[1], ref_caches[1])
     ok = ok and torch.equal(caches[0][:, :, positions], k_out) and torch.equal(caches[0][:, :, :5], ref_caches[0][:, :, :5])
     log(f"interpreter check: max {ulps} bf16 ulp vs reference, caches {'ok' if ok else 'WRONG'}")

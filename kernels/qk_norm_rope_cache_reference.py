@@ -229,3 +229,59 @@ def qk_norm_rope_cache_reference(
     write_cache_rows_reference(k_cache, cache_position, k_rot)
     write_cache_rows_reference(v_cache, cache_position, v)
     return q_rot, k_rot
+
+
+# Rotary tables from positions, and the error metric the kernel's tests and benchmarks read.
+
+
+def rope_cos_sin_reference(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face rotary embedding: position_ids [B, S], inv_freq [D/2] -> cos, sin [B, S, D].
+
+    ``freqs = pos.float() * inv_freq; emb = cat(freqs, freqs); cos = (emb.cos() * scaling).to(dtype)``.
+    """
+    freqs = position_ids[..., None].to(torch.float32) * inv_freq.to(torch.float32)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
+
+
+def qk_norm_rope_cache_from_positions_reference(
+    q, k, v, q_weight, k_weight, position_ids, inv_freq, attention_scaling, k_cache, v_cache, cache_position,
+    q_eps, k_eps,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``qk_norm_rope_cache_from_positions_triton``: returns (q_rot, k_rot), writes the caches."""
+    cos, sin = rope_cos_sin_reference(position_ids, inv_freq, attention_scaling, q.dtype)
+    return qk_norm_rope_cache_reference(
+        q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps
+    )
+
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def rope_ulp_error(
+    out: torch.Tensor, ref: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> float:
+    """Largest ``|out - ref|`` in ulps of the RoPE terms' scale, over all elements.
+
+    ``out = round(x*cos) + round(rotate_half(x)*sin)`` can cancel, so a one-ulp difference in
+    a term is many ulps of a small result; the fair unit is the ulp of
+    ``max(|ref|, |x*cos| + |rotate_half(x)*sin|)``.
+
+    Args:
+        out, ref: [B, H, S, D] kernel and reference outputs (same dtype).
+        normed: [B, H, S, D] the reference's normalized input of RoPE (``rms_norm_reference``).
+        cos, sin: [Bc, S, D] the tables used.
+    """
+    if out.numel() == 0:
+        return 0.0
+    mantissa = _MANTISSA_BITS[ref.dtype]
+    tiny = torch.finfo(ref.dtype).tiny
+    x = normed.to(torch.float32)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    terms = (x * cos.unsqueeze(1).float()).abs() + (rotated * sin.unsqueeze(1).float()).abs()
+    scale = torch.maximum(ref.to(torch.float32).abs(), terms).clamp_min(tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(scale)) - mantissa)
+    return float(((out.to(torch.float32) - ref.to(torch.float32)).abs() / ulp).max())

@@ -191,9 +191,9 @@ def _round(x, ROUND: tl.constexpr):
 # 1. Elementwise pass: RMSNorm backward + RoPE backward for q and k, copy of v
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _rnd(x, ROUND: tl.constexpr, INTERP: tl.constexpr):
+def _round_native(x, ROUND: tl.constexpr, INTERP: tl.constexpr):
     """``_round`` for the hot loop: native half-precision rounding on the GPU, bit arithmetic in
-    the interpreter. A rounded product that feeds an add goes through ``_rnd_sum``."""
+    the interpreter. A rounded product that feeds an add goes through ``_round_sum_native``."""
     if ROUND == 1:
         return round_to(x, tl.bfloat16, INTERP)
     elif ROUND == 2:
@@ -203,8 +203,8 @@ def _rnd(x, ROUND: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _rnd_sum(a, b, ROUND: tl.constexpr, INTERP: tl.constexpr):
-    """``_rnd(a + b)`` of two rounded products, the add never contracted into an FMA with them
+def _round_sum_native(a, b, ROUND: tl.constexpr, INTERP: tl.constexpr):
+    """``_round_native(a + b)`` of two rounded products, the add never contracted into an FMA with them
     (``rounding.round_sum``): the RoPE forward and its transpose round as autograd does."""
     if ROUND == 1:
         return round_sum(a, b, tl.bfloat16, INTERP)
@@ -218,8 +218,8 @@ def _rnd_sum(a, b, ROUND: tl.constexpr, INTERP: tl.constexpr):
 def _rope_backward(u1, u2, c1, c2, s1, s2, ROUND: tl.constexpr, INTERP: tl.constexpr):
     """RoPE's backward on the halves of a gradient u, with autograd's roundings:
     u*cos + rotate_half^T(u*sin), rotate_half^T(y) = cat(y2, -y1)."""
-    d1 = _rnd_sum(_rnd(u1 * c1, ROUND, INTERP), _rnd(u2 * s2, ROUND, INTERP), ROUND, INTERP)
-    d2 = _rnd_sum(_rnd(u2 * c2, ROUND, INTERP), -_rnd(u1 * s1, ROUND, INTERP), ROUND, INTERP)
+    d1 = _round_sum_native(_round_native(u1 * c1, ROUND, INTERP), _round_native(u2 * s2, ROUND, INTERP), ROUND, INTERP)
+    d2 = _round_sum_native(_round_native(u2 * c2, ROUND, INTERP), -_round_native(u1 * s1, ROUND, INTERP), ROUND, INTERP)
     return d1, d2
 
 
@@ -235,8 +235,10 @@ def _norm_input_and_grad(q1, q2, g1, g2, c1, c2, s1, s2, ROUND_ROPE: tl.constexp
         x2 = q2
         gy1, gy2 = _rope_backward(g1, g2, c1, c2, s1, s2, ROUND_ROPE, INTERP)
     else:  # x = R(R(q*cos) + R(rotate_half(q)*sin))
-        x1 = _rnd_sum(_rnd(q1 * c1, ROUND_ROPE, INTERP), -_rnd(q2 * s1, ROUND_ROPE, INTERP), ROUND_ROPE, INTERP)
-        x2 = _rnd_sum(_rnd(q2 * c2, ROUND_ROPE, INTERP), _rnd(q1 * s2, ROUND_ROPE, INTERP), ROUND_ROPE, INTERP)
+        x1 = _round_sum_native(_round_native(q1 * c1, ROUND_ROPE, INTERP), -_round_native(q2 * s1, ROUND_ROPE, INTERP),
+                               ROUND_ROPE, INTERP)
+        x2 = _round_sum_native(_round_native(q2 * c2, ROUND_ROPE, INTERP), _round_native(q1 * s2, ROUND_ROPE, INTERP),
+                               ROUND_ROPE, INTERP)
         gy1 = g1
         gy2 = g2
     return x1, x2, gy1, gy2
@@ -277,9 +279,9 @@ def _normed(xr, w, ROUND: tl.constexpr, ROUND_Y: tl.constexpr, INTERP: tl.conste
     Qwen3's form (the weight multiplies the row cast to x's dtype, in the output dtype y), ``R(xr * w)``
     for the fp32 forms (one rounding)."""
     if NORM_STYLE == 0:
-        return _rnd(_rnd(xr, ROUND, INTERP) * w, ROUND_Y, INTERP)
+        return _round_native(_round_native(xr, ROUND, INTERP) * w, ROUND_Y, INTERP)
     else:
-        return _rnd(xr * w, ROUND, INTERP)
+        return _round_native(xr * w, ROUND, INTERP)
 
 
 @triton.jit
@@ -287,7 +289,7 @@ def _grad_normed(g, w, ROUND: tl.constexpr, INTERP: tl.constexpr, NORM_STYLE: tl
     """Gradient reaching the normalized fp32 row: ``R(g * w)`` for Qwen3's form (the mul's backward
     for the row cast to x's dtype), ``g * w`` for the fp32 forms."""
     if NORM_STYLE == 0:
-        return _rnd(g * w, ROUND, INTERP)
+        return _round_native(g * w, ROUND, INTERP)
     else:
         return g * w
 
@@ -298,7 +300,7 @@ def _weight_grad_term(g, xr, ROUND: tl.constexpr, ROUND_Y: tl.constexpr, INTERP:
     """One element's term of the norm weight's gradient: ``R_y(g * R(xr))`` for Qwen3's form, ``g * xr``
     for the fp32 forms (the gradient of ``1 + w`` is the gradient of w)."""
     if NORM_STYLE == 0:
-        return _rnd(g * _rnd(xr, ROUND, INTERP), ROUND_Y, INTERP)
+        return _round_native(g * _round_native(xr, ROUND, INTERP), ROUND_Y, INTERP)
     else:
         return g * xr
 
@@ -424,8 +426,8 @@ def _qk_tile(
     # RMSNorm backward in fp32, rounded once (the x.float() cast's backward).
     dot = _sum(gn1 * x1, 2) + _sum(gn2 * x2, 2)  # [BH, BT]
     coef = r * r * r * (dot / D)[:, :, None]
-    dx1 = _rnd(gn1 * r - x1 * coef, ROUND_N, INTERP)
-    dx2 = _rnd(gn2 * r - x2 * coef, ROUND_N, INTERP)
+    dx1 = _round_native(gn1 * r - x1 * coef, ROUND_N, INTERP)
+    dx2 = _round_native(gn2 * r - x2 * coef, ROUND_N, INTERP)
     u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, None, :],
                                       w2[None, None, :], ROUND, ROUND_Y, INTERP, NORM_FIRST, NORM_STYLE)
 
@@ -440,8 +442,8 @@ def _qk_tile(
         pw1, pw2, gc1, gc2, gs1, gs2 = tl.reduce(
             (_weight_grad_term(g1, x1 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE),
              _weight_grad_term(g2, x2 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE),
-             _rnd(u1 * p1, ROUND_Y, INTERP), _rnd(u2 * p2, ROUND_Y, INTERP),
-             _rnd(u1 * p2, ROUND_Y, INTERP), _rnd(u2 * p1, ROUND_Y, INTERP)),
+             _round_native(u1 * p1, ROUND_Y, INTERP), _round_native(u2 * p2, ROUND_Y, INTERP),
+             _round_native(u1 * p2, ROUND_Y, INTERP), _round_native(u2 * p1, ROUND_Y, INTERP)),
             0, _add6)  # each [BT, BLOCK_HALF]
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_W:
@@ -451,8 +453,8 @@ def _qk_tile(
         gw1, gw2 = tl.reduce((pw1, pw2), 0, _add2)
     elif NEED_CS:
         gc1, gc2, gs1, gs2 = tl.reduce(
-            (_rnd(u1 * p1, ROUND_Y, INTERP), _rnd(u2 * p2, ROUND_Y, INTERP),
-             _rnd(u1 * p2, ROUND_Y, INTERP), _rnd(u2 * p1, ROUND_Y, INTERP)), 0, _add4)
+            (_round_native(u1 * p1, ROUND_Y, INTERP), _round_native(u2 * p2, ROUND_Y, INTERP),
+             _round_native(u1 * p2, ROUND_Y, INTERP), _round_native(u2 * p1, ROUND_Y, INTERP)), 0, _add4)
     if NEED_CS:  # rows of 2 * RW (RW = 2 * ROT_HALF, the tables' width): cos's, then sin's
         cs_row = cs_ptr + t[:, None] * (4 * ROT_HALF) + d[None, :]
         mr = _rotary_mask(m2, d[None, :], HALF, ROT_HALF)
@@ -606,18 +608,18 @@ def _qk_head_rows(
     gn2 = _grad_normed(g2, w2[None, :], ROUND_N, INTERP, NORM_STYLE)
     dot = _sum(gn1 * x1, 1) + _sum(gn2 * x2, 1)  # [BT]: across the lanes of one warp
     coef = r * r * r * (dot / D)[:, None]
-    dx1 = _rnd(gn1 * r - x1 * coef, ROUND_N, INTERP)
-    dx2 = _rnd(gn2 * r - x2 * coef, ROUND_N, INTERP)
+    dx1 = _round_native(gn1 * r - x1 * coef, ROUND_N, INTERP)
+    dx2 = _round_native(gn2 * r - x2 * coef, ROUND_N, INTERP)
     if NEED_W:
         pw1 += _weight_grad_term(g1, x1 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE)
         pw2 += _weight_grad_term(g2, x2 * r, ROUND_N, ROUND_Y, INTERP, NORM_STYLE)
     if NEED_CS:
         u1, u2, p1, p2 = _cos_sin_factors(g0_1, g0_2, dx1, dx2, q1, q2, x1 * r, x2 * r, w1[None, :], w2[None, :],
                                           ROUND, ROUND_Y, INTERP, NORM_FIRST, NORM_STYLE)
-        gc1 += _rnd(u1 * p1, ROUND_Y, INTERP)
-        gc2 += _rnd(u2 * p2, ROUND_Y, INTERP)
-        gs1 += _rnd(u1 * p2, ROUND_Y, INTERP)
-        gs2 += _rnd(u2 * p1, ROUND_Y, INTERP)
+        gc1 += _round_native(u1 * p1, ROUND_Y, INTERP)
+        gc2 += _round_native(u2 * p2, ROUND_Y, INTERP)
+        gs1 += _round_native(u1 * p2, ROUND_Y, INTERP)
+        gs2 += _round_native(u2 * p1, ROUND_Y, INTERP)
     dq1, dq2 = _proj_grad(dx1, dx2, c1, c2, s1, s2, ROUND, INTERP, NORM_FIRST)
     o_off = o_rows[:, None]
     tl.store(o_ptr + o_off + col1, dq1, mask=m2)

@@ -81,7 +81,7 @@ def _replace_with_call(graph: torch.fx.Graph, node: torch.fx.Node, target, args:
     return new
 
 
-def _stand_in(graph: torch.fx.Graph, gone: torch.fx.Node, kept: torch.fx.Node) -> None:
+def _replace_with_equal_node(graph: torch.fx.Graph, gone: torch.fx.Node, kept: torch.fx.Node) -> None:
     """``gone``'s users read ``kept`` (a node of the same value), which stands for both (``ORIGIN``),
     and ``gone`` is erased."""
     if ORIGIN in gone.meta:
@@ -100,7 +100,7 @@ def merge_duplicate_casts(graph: torch.fx.Graph) -> int:
         key = (node.target, *node.args)
         first = seen.setdefault(key, node)
         if first is not node:
-            _stand_in(graph, node, first)
+            _replace_with_equal_node(graph, node, first)
             merged += 1
     return merged
 
@@ -159,7 +159,7 @@ def _shape(node) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _fold(graph: torch.fx.Graph, node: torch.fx.Node, target, args: tuple, gone: torch.fx.Node) -> None:
+def _fold_pair_into_call(graph: torch.fx.Graph, node: torch.fx.Node, target, args: tuple, gone: torch.fx.Node) -> None:
     """``node`` and its only input ``gone`` replaced by one ``target(*args)`` node, which stands for
     both (``ORIGIN``, where the caller tracks it)."""
     kept = _replace_with_call(graph, node, target, args)
@@ -340,7 +340,7 @@ def sums_over_size_as_means(graph: torch.fx.Graph) -> int:
         if (not isinstance(dims, (list, tuple)) or list(dims) != [-1] or not _is_power_of_two(shape[-1])
                 or isinstance(size, torch.fx.Node) or size != shape[-1] or len(total.args) > 3):
             continue
-        _fold(graph, node, aten.mean.dim, (total.args[0], [-1], keepdim), total)
+        _fold_pair_into_call(graph, node, aten.mean.dim, (total.args[0], [-1], keepdim), total)
         rewritten += 1
     return rewritten
 
@@ -360,7 +360,7 @@ def unsqueezed_means_as_keepdim(graph: torch.fx.Graph) -> int:
         source, out = _shape(mean.args[0]), _shape(node)
         if source is None or out is None or len(source) == 0 or dim % len(out) != len(out) - 1:
             continue  # a 0-d mean unsqueezed is 1-d, its keepdim mean 0-d
-        _fold(graph, node, aten.mean.dim, (mean.args[0], [-1], True), mean)
+        _fold_pair_into_call(graph, node, aten.mean.dim, (mean.args[0], [-1], True), mean)
         rewritten += 1
     return rewritten
 
@@ -550,7 +550,7 @@ def contiguous_copies_dropped(graph: torch.fx.Graph) -> list:
         if root in written:
             continue
         dropped.append((x, dict(node.kwargs), node.meta.get("val"), list(node.users)))
-        _stand_in(graph, node, x)
+        _replace_with_equal_node(graph, node, x)
     return dropped
 
 

@@ -273,7 +273,7 @@ def _single(origins: set) -> torch.fx.Node:
 _MAX_REGION_NODES = 64
 
 
-def _cone(y: torch.fx.Node, inputs: set) -> set | None:
+def _nodes_computing(y: torch.fx.Node, inputs: set) -> set | None:
     """The nodes that compute ``y`` from ``inputs`` (y included); None when something else (a
     placeholder, another tensor) feeds them, or when they are too many for one tensor's norm and
     RoPE."""
@@ -352,7 +352,7 @@ def _find_region(found: _Found, backward_nodes: set, index: _SequenceIndex) -> _
     inputs = {x, *cos, *sin} | ({weight} if weight is not None else set())
     if isinstance(found.eps, torch.fx.Node):  # dynamic=True lifts the eps float to a graph input
         inputs |= origin(found.eps)
-    region = _cone(y, inputs)
+    region = _nodes_computing(y, inputs)
     if region is None:
         raise _Refused(None)  # something else feeds the region: not the modelled code
     seq_nrs = {n.meta["seq_nr"] for n in region if index.owners.get(n.meta.get("seq_nr")) in region}

@@ -41,6 +41,7 @@ import torch
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 
 from fusion_pass.kernels import qk_norm_rope_cache_triton as cache_kernel
+from fusion_pass.kernels import qk_norm_rope_cache_reference as cache_reference
 
 aten = torch.ops.aten
 
@@ -177,7 +178,7 @@ def rotary_source(cos: torch.fx.Node, sin: torch.fx.Node, dtype: torch.dtype, ha
     got_cos, got_sin = env[cos], env[sin]
     rows = sample_positions.reshape(-1, seq) if seq else sample_positions.reshape(1, 0)
     for scaling in [1.0, *_scalars(cos_nodes)]:
-        want_cos, want_sin = cache_kernel.rope_cos_sin_reference(rows, sample_inv_freq, scaling, dtype)
+        want_cos, want_sin = cache_reference.rope_cos_sin_reference(rows, sample_inv_freq, scaling, dtype)
         if (got_cos.shape == got_sin.shape == (batch, seq, 2 * half) and got_cos.dtype == got_sin.dtype == dtype
                 and torch.equal(got_cos, want_cos.expand(batch, -1, -1))
                 and torch.equal(got_sin, want_sin.expand(batch, -1, -1))):

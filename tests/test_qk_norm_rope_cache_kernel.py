@@ -30,6 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import fusion_pass  # noqa: E402,F401  (registers torch.ops.fusion_pass.*)
 from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel  # noqa: E402
+from fusion_pass.kernels import qk_norm_rope_cache_reference as cache_reference  # noqa: E402
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (  # noqa: E402
     qk_norm_rope_cache_reference,
     rms_norm_reference,
@@ -94,7 +95,7 @@ def make_case(
         positions = torch.randperm(cache_len, generator=g)[:seq]
     cache_position = torch.as_tensor(positions, dtype=torch.int64).to(DEVICE)
     position_ids = (cache_position.clamp(0, cache_len - 1)[None, :] + torch.arange(cos_batch, device=DEVICE)[:, None] * 3)
-    cos, sin = kernel.rope_cos_sin_reference(position_ids, inv_freq_for(head_dim), 1.0, dtype)
+    cos, sin = cache_reference.rope_cos_sin_reference(position_ids, inv_freq_for(head_dim), 1.0, dtype)
     return dict(
         q=q, k=k, v=v,
         q_weight=(torch.rand(head_dim, generator=g) + 0.5).to(dtype=dtype, device=DEVICE),
@@ -126,8 +127,8 @@ def check_against_reference(case, q_out, k_out, k_cache_before, v_cache_before, 
         # int64 positions: the reference's index_copy_ rejects the int32 ones the op accepts.
         k_cache_before.clone(), v_cache_before.clone(), case["cache_position"].long(), EPS_Q, EPS_K,
     )
-    q_err = kernel.rope_ulp_error(q_out, q_ref, rms_norm_reference(case["q"], case["q_weight"], EPS_Q), cos, sin)
-    k_err = kernel.rope_ulp_error(k_out, k_ref, rms_norm_reference(case["k"], case["k_weight"], EPS_K), cos, sin)
+    q_err = cache_reference.rope_ulp_error(q_out, q_ref, rms_norm_reference(case["q"], case["q_weight"], EPS_Q), cos, sin)
+    k_err = cache_reference.rope_ulp_error(k_out, k_ref, rms_norm_reference(case["k"], case["k_weight"], EPS_K), cos, sin)
     assert q_err <= bound, f"q_out: {q_err} ulps > {bound}"
     assert k_err <= bound, f"k_out: {k_err} ulps > {bound}"
     position = case["cache_position"].to(torch.int64)
@@ -293,7 +294,7 @@ def test_the_streaming_tile_as_the_rule_picks_it():
     kernel.qk_norm_rope_cache_from_positions_triton(
         case["q"], case["k"], case["v"], case["q_weight"], case["k_weight"], position_ids, inv_freq, 1.0,
         case["k_cache"], case["v_cache"], case["cache_position"], EPS_Q, EPS_K, q_out, k_out)
-    cos, sin = kernel.rope_cos_sin_reference(position_ids, inv_freq, 1.0, torch.bfloat16)
+    cos, sin = cache_reference.rope_cos_sin_reference(position_ids, inv_freq, 1.0, torch.bfloat16)
     check_against_reference(case, q_out, k_out, k_before, v_before, MAX_ULPS[torch.bfloat16] + 1, cos=cos, sin=sin)
 
 
@@ -330,7 +331,7 @@ def test_from_positions(dtype, position_batch, scaling, tile):
         case["k_cache"], case["v_cache"], case["cache_position"], EPS_Q, EPS_K, q_out, k_out,
         tile=tile,
     )
-    cos, sin = kernel.rope_cos_sin_reference(position_ids, inv_freq, scaling, dtype)
+    cos, sin = cache_reference.rope_cos_sin_reference(position_ids, inv_freq, scaling, dtype)
     # One more ulp than the tensor path: an fp32 cos/sin one ulp off can flip its own rounding.
     check_against_reference(case, q_out, k_out, k_before, v_before, MAX_ULPS[dtype] + 1, cos=cos, sin=sin)
 
@@ -341,9 +342,9 @@ def test_from_positions_reference_matches_composition():
     inv_freq = inv_freq_for(64)
     k_a, v_a, k_b, v_b = (case[n].clone() for n in ("k_cache", "v_cache", "k_cache", "v_cache"))
     args = (case["q"], case["k"], case["v"], case["q_weight"], case["k_weight"])
-    q1, k1 = kernel.qk_norm_rope_cache_from_positions_reference(
+    q1, k1 = cache_reference.qk_norm_rope_cache_from_positions_reference(
         *args, position_ids, inv_freq, 1.0, k_a, v_a, case["cache_position"], EPS_Q, EPS_K)
-    cos, sin = kernel.rope_cos_sin_reference(position_ids, inv_freq, 1.0, torch.bfloat16)
+    cos, sin = cache_reference.rope_cos_sin_reference(position_ids, inv_freq, 1.0, torch.bfloat16)
     q2, k2 = qk_norm_rope_cache_reference(*args, cos, sin, k_b, v_b, case["cache_position"], EPS_Q, EPS_K)
     assert torch.equal(q1, q2) and torch.equal(k1, k2) and torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
 
@@ -480,7 +481,7 @@ def test_gpu_from_positions_model_shape():
         case["q"], case["k"], case["v"], case["q_weight"], case["k_weight"], position_ids, inv_freq, 1.0,
         case["k_cache"], case["v_cache"], case["cache_position"], EPS_Q, EPS_K, q_out, k_out,
     )
-    cos, sin = kernel.rope_cos_sin_reference(position_ids, inv_freq, 1.0, torch.bfloat16)
+    cos, sin = cache_reference.rope_cos_sin_reference(position_ids, inv_freq, 1.0, torch.bfloat16)
     check_against_reference(case, q_out, k_out, k_before, v_before, 2.0, cos=cos, sin=sin)
 
 
@@ -500,15 +501,15 @@ def test_gpu_cache_offsets_past_int32():
     k_cache = torch.full((batch, kv_heads, length, head_dim), 7.0, dtype=dtype, device=DEVICE)
     v_cache = torch.full((batch, kv_heads, length, head_dim), -7.0, dtype=dtype, device=DEVICE)
     assert (batch - 1) * k_cache.stride(0) + (kv_heads - 1) * k_cache.stride(1) + (length - 1) * head_dim >= 2**31
-    cos, sin = kernel.rope_cos_sin_reference(positions.clamp(max=length - 1)[None], inv_freq_for(head_dim), 1.0, dtype)
+    cos, sin = cache_reference.rope_cos_sin_reference(positions.clamp(max=length - 1)[None], inv_freq_for(head_dim), 1.0, dtype)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     kernel.qk_norm_rope_cache_triton(q, k, v, weights[0], weights[1], cos, sin, k_cache, v_cache, positions,
                                      EPS_Q, EPS_K, q_out, k_out, check_positions=False)
     q_ref, k_ref = qk_norm_rope_cache_reference(
         q, k, v, weights[0], weights[1], cos, sin, k_cache[:, :, :1].clone(), v_cache[:, :, :1].clone(),
         torch.full_like(positions, -1), EPS_Q, EPS_K)
-    assert kernel.rope_ulp_error(q_out, q_ref, rms_norm_reference(q, weights[0], EPS_Q), cos, sin) <= 1.0
-    assert kernel.rope_ulp_error(k_out, k_ref, rms_norm_reference(k, weights[1], EPS_K), cos, sin) <= 1.0
+    assert cache_reference.rope_ulp_error(q_out, q_ref, rms_norm_reference(q, weights[0], EPS_Q), cos, sin) <= 1.0
+    assert cache_reference.rope_ulp_error(k_out, k_ref, rms_norm_reference(k, weights[1], EPS_K), cos, sin) <= 1.0
     for s, p in enumerate(positions.tolist()[:3]):
         assert torch.equal(k_cache[:, :, p], k_out[:, :, s]), p
         assert torch.equal(v_cache[:, :, p], v[:, :, s]), p

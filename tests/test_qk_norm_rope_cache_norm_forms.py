@@ -12,7 +12,7 @@ import torch
 
 import fusion_pass
 from fusion_pass.demo import apply_rotary_pos_emb
-from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel
+from fusion_pass.kernels import qk_norm_rope_cache_reference as cache_reference
 from fusion_pass.kernels.qk_norm_rope_cache_reference import NORM_STYLES, norm_reference
 from compile_capture import assert_left_unfused, eager, fused_count, run_fused
 from fused_op_calls import assert_op_call_matches_reference, random_op_args
@@ -224,7 +224,7 @@ def test_op_norm_styles_match_the_reference(norm, dtype, head_dim):
 
     def rope_scale_ulps(out, want, which):  # ulps of the RoPE terms (the output can cancel)
         x, w, eps = inputs[which]
-        return kernel.rope_ulp_error(out, want, norm_reference(x, w, eps, norm), args["cos"], args["sin"])
+        return cache_reference.rope_ulp_error(out, want, norm_reference(x, w, eps, norm), args["cos"], args["sin"])
 
     assert_op_call_matches_reference(args, rope_scale_ulps)
 

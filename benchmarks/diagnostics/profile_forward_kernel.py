@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the suites
 from bench_forward import DTYPE, EPS, HEAD_DIM, KV_HEADS, Q_HEADS, ROPE_THETA, QKNormRopeCache, case_bytes, make_inputs  # noqa: E402
 from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel
+from fusion_pass.kernels import qk_norm_rope_cache_reference as cache_reference
 
 
 def launches(seq: int, cached: int, batch: int, tiles: list[dict]) -> None:
@@ -28,7 +29,7 @@ def launches(seq: int, cached: int, batch: int, tiles: list[dict]) -> None:
     x = make_inputs(seq, cached, batch)
     for name in ("query", "key", "value"):
         x[name] = x[name].transpose(1, 2).contiguous().transpose(1, 2)
-    cos, sin = kernel.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
+    cos, sin = cache_reference.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
     q_out, k_out = torch.empty_like(x["query"]), torch.empty_like(x["key"])
     for tile in tiles:
         for tables in (True, False):
