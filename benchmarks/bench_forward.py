@@ -273,7 +273,8 @@ def ulp_error(out_q, out_k, x: dict, module: QKNormRopeCache, cos, sin) -> float
     cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
     q_rot = q_ref * cos4 + rotate_half(q_ref) * sin4
     k_rot = k_ref * cos4 + rotate_half(k_ref) * sin4
-    return max(cache_reference.rope_ulp_error(out_q, q_rot, q_ref, cos, sin), cache_reference.rope_ulp_error(out_k, k_rot, k_ref, cos, sin))
+    return max(cache_reference.rope_ulp_error(out_q, q_rot, q_ref, cos, sin),
+               cache_reference.rope_ulp_error(out_k, k_rot, k_ref, cos, sin))
 
 
 def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: bool, print_report: bool,

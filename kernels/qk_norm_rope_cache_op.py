@@ -389,7 +389,7 @@ def qk_norm_rope_paged_cache(
                         rope_first, rotary_dim, interleaved)
 
 
-def with_eps_tensors(op):
+def _with_eps_tensors(op):
     """``op`` (the dense or the paged op) taking its epsilons as 0-d tensors, the overload that
     ``torch.compile(dynamic=True)`` calls: it lifts a Python float such as ``variance_epsilon``
     into a 0-d CPU tensor graph input, which is read here without a device synchronization."""
@@ -456,4 +456,4 @@ def unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
 
 for _op in (qk_norm_rope_cache, qk_norm_rope_paged_cache):
     _LIB.impl(_op.__name__, _op, "CompositeExplicitAutograd")
-    _LIB.impl(f"{_op.__name__}_eps_tensor", with_eps_tensors(_op), "CompositeExplicitAutograd")
+    _LIB.impl(f"{_op.__name__}_eps_tensor", _with_eps_tensors(_op), "CompositeExplicitAutograd")
