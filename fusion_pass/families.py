@@ -1,11 +1,18 @@
 """The fusion families, listed once.
 
-Each family is a pattern module ``fusion_pass.patterns.<name>`` that declares ``FAMILY`` (a
-``Family``: its one-line description and the Inductor stage it runs in) and
-``register(pass_dict)``, which traces and registers its patterns; it may also define
-``apply(graph, pass_dict)`` (to wrap the matching) and ``applies_to(graph)`` (to skip a graph
-before registering anything). Configuration, installation, the passes and the report read
-``NAMES`` and the modules' ``FAMILY``; nothing else lists the families.
+Each family is a pattern module ``fusion_pass.patterns.<name>`` that declares:
+
+- ``FAMILY``: a ``Family``, its one-line description and the Inductor stage it runs in;
+- ``REWRITES``: the ``fusion_pass.rewrites.Rewrite`` objects run on a graph before matching, in
+  order (undone, where they carry an undo, after it);
+- ``register(pass_dict)``: traces and registers its patterns;
+- optionally ``apply(graph, pass_dict)``: the matching, where it is more than running the
+  registered patterns (``pass_dict.apply``), and ``applies_to(graph)``: a cheap look that skips a
+  graph before anything is registered.
+
+``passes`` runs every family the same way, as a transaction (``transaction``). Configuration,
+installation, the passes and the report read ``NAMES`` and the modules' ``FAMILY``; nothing else
+lists the families.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from . import config as fusion_config
 from . import match_report
 from .families import pattern_module
+from .rewrites import rewritten
 from .source_hash import source_hash
 from .transaction import apply_contained
 
@@ -47,19 +48,20 @@ def _family_pass(family: str) -> PatternMatcherPass:
 
 
 def _apply_family(family: str, graph: torch.fx.Graph, strict: bool) -> int:
-    """Number of replacements, the family applied as a transaction (``transaction``); a pattern
-    module may wrap matching in its own ``apply``, and may say with ``applies_to(graph)`` that a
-    graph cannot match (then nothing is registered or snapshot either: registering the training
-    family costs seconds, and inference graphs pass its hook too)."""
+    """Number of replacements, the family applied as a transaction (``transaction``): the graph
+    rewritten by the family's ``REWRITES``, matched (its ``apply``, or its registered patterns
+    first to last), the rewrites undone where no fusion used them. ``applies_to(graph)`` may say
+    that a graph cannot match: then nothing is registered or snapshot either (registering the
+    training family costs seconds, and inference graphs pass its hook too)."""
     module = pattern_module(family)
 
     def applies() -> bool:
         return not hasattr(module, "applies_to") or module.applies_to(graph)
 
     def apply() -> int:
-        if hasattr(module, "apply"):
-            return module.apply(graph, _family_pass(family))
-        return _family_pass(family).apply(graph)
+        pass_dict = _family_pass(family)
+        with rewritten(graph, module.REWRITES):
+            return module.apply(graph, pass_dict) if hasattr(module, "apply") else pass_dict.apply(graph)
 
     return apply_contained(family, graph, applies, apply, strict)
 

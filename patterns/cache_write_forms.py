@@ -19,6 +19,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusion_pass import config as fusion_config
+from fusion_pass.rewrites import Rewrite
 
 aten = torch.ops.aten
 
@@ -168,3 +169,10 @@ def _erase_if_dead(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         except RuntimeError:
             continue
         pending.extend(inputs)
+
+
+#: This module's rewrites, in the order the forward family runs them (``qk_norm_rope_cache.REWRITES``).
+BATCH_OF_ONE_RESHAPES = Rewrite(drop_batch_of_one_reshapes, preserves_layout=True)
+FLAT_CACHE_VIEWS = Rewrite(normalize_flat_cache_views, preserves_layout=True)
+#: Slice writes lower differently from index_put writes in stock Inductor: put back where unfused.
+SLICE_WRITES = Rewrite(canonicalize_slice_writes, preserves_layout=True, undo=restore_unfused_slice_writes)

@@ -28,12 +28,13 @@ model code                                              canonical form
 first (its slices taken second half first)
 ======================================================  ==========================================
 
-Two more, for the forward family only (called from ``qk_norm_rope_cache.apply``, and undone there
-where no fusion used them: they change the layout Inductor gives the readers, which a
-stride-sensitive op further on would see): ``clone(x)`` read only element by element (``.contiguous()``
+Two more, for the forward family only (in its ``REWRITES``, each with the undo that puts back what no
+fusion used: they change the layout Inductor gives the readers, which a stride-sensitive op further
+on would see): ``clone(x)`` read only element by element (``.contiguous()``
 after the transpose) -> ``x`` (``contiguous_copies_dropped``); ``cat((x1 * c - x2 * s, x2 * c + x1 *
 s), -1)`` (half-width tables) -> ``x * cat(c, c) + cat(-x2, x1) * cat(s, s)``
-(``half_table_rotations_as_rotate_half``).
+(``half_table_rotations_as_rotate_half``). Each rewrite is a ``fusion_pass.rewrites.Rewrite``
+(``CANONICAL_FORMS``, ``CONTIGUOUS_COPIES``, ``HALF_TABLE_ROTATIONS``, ``SCATTER_SUMS``).
 
 Each rewrite is local and value-preserving, so a graph that then matches nothing computes what
 it did before (the nodes differ, the values do not). The patterns are traced through the same
@@ -50,6 +51,7 @@ import sys
 import torch
 
 from fusion_pass.matching import VIEW_OPS, node_value
+from fusion_pass.rewrites import Rewrite, apply_rewrites
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -534,7 +536,7 @@ def contiguous_copies_dropped(graph: torch.fx.Graph) -> list:
     ``x`` may be written in place (the copy then protects a value) or is a graph input. Returns what
     was dropped: ``restore_unfused_copies`` puts back the copies whose readers no fusion took, since
     Inductor then lays the readers out from x's strides (a stride-sensitive op further on would
-    see another layout than eager's). Forward family only (``qk_norm_rope_cache.apply``)."""
+    see another layout than eager's). Forward family only (``CONTIGUOUS_COPIES``)."""
     written = None
     dropped = []
     for node in list(graph.nodes):
@@ -640,7 +642,7 @@ def half_table_rotations_as_rotate_half(graph: torch.fx.Graph) -> list:
     halves of x; vLLM's ``forward_native``, flash-attn's reference) -> Hugging Face's
     ``x * cat(c, c) + cat(-x2, x1) * cat(s, s)``: the same products (``-x2 * s`` is ``-(x2 * s)``) and
     sums (``a - b`` is ``a + -b``), rounded alike. Returns what was rewritten, for
-    ``restore_unfused_half_table_rotations``. Forward family only (``qk_norm_rope_cache.apply``)."""
+    ``restore_unfused_half_table_rotations``. Forward family only (``HALF_TABLE_ROTATIONS``)."""
     rewritten, full_tables = [], {}
     for node in list(graph.nodes):
         if (node.op != "call_function" or node.target is not aten.cat.default or len(node.args) != 2
@@ -725,10 +727,25 @@ def _erase_unused(graph: torch.fx.Graph, nodes: list) -> None:
         stack.extend(inputs)
 
 
+#: The rewrites of the table above, in the order ``canonicalize`` runs them; each returns how many
+#: nodes it rewrote and keeps every layout (nothing to undo).
+CANONICAL_FORMS = tuple(Rewrite(run, preserves_layout=True) for run in (
+    merge_duplicate_casts, square_products_as_pow, reciprocal_square_roots_as_rsqrt,
+    inverse_square_root_powers_as_rsqrt, negative_units_as_neg, scalar_adds_as_tensor_adds, half_splits_as_slices,
+    half_unbinds_as_slices, slices_in_one_form, dims_from_the_end, sums_over_size_as_means,
+    unsqueezed_means_as_keepdim, broadcast_factors_second, rotation_terms_second))
+
+#: ``.contiguous()`` copies read element by element, dropped; put back where no fusion took the readers.
+CONTIGUOUS_COPIES = Rewrite(contiguous_copies_dropped, preserves_layout=False, undo=restore_unfused_copies)
+
+#: Half-width-table RoPE read as Hugging Face's; the model's ops put back where no fusion took it.
+HALF_TABLE_ROTATIONS = Rewrite(half_table_rotations_as_rotate_half, preserves_layout=False,
+                               undo=restore_unfused_half_table_rotations)
+
+#: rotate_half's backward sums in the order the training patterns trace them.
+SCATTER_SUMS = Rewrite(scatter_sums_second_half_first, preserves_layout=True)
+
+
 def canonicalize(graph: torch.fx.Graph) -> int:
-    """Apply every rewrite above to ``graph``; returns how many nodes were rewritten."""
-    return (merge_duplicate_casts(graph) + square_products_as_pow(graph) + reciprocal_square_roots_as_rsqrt(graph)
-            + inverse_square_root_powers_as_rsqrt(graph) + negative_units_as_neg(graph) + scalar_adds_as_tensor_adds(graph)
-            + half_splits_as_slices(graph) + half_unbinds_as_slices(graph) + slices_in_one_form(graph)
-            + dims_from_the_end(graph) + sums_over_size_as_means(graph) + unsqueezed_means_as_keepdim(graph)
-            + broadcast_factors_second(graph) + rotation_terms_second(graph))
+    """Apply every rewrite of ``CANONICAL_FORMS`` to ``graph``; returns how many nodes were rewritten."""
+    return sum(count for _, count in apply_rewrites(graph, CANONICAL_FORMS))

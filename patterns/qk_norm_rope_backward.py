@@ -55,6 +55,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.families import Family
+from fusion_pass.rewrites import Rewrite
 from fusion_pass.kernels.qk_norm_rope_backward_op import backward_in_graph
 from fusion_pass.kernels.qkv_rope_qk_norm_backward_triton import NORM_STYLES
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rope_reference
@@ -594,11 +595,13 @@ def reset_variant_counts() -> None:
     _variant_counts.clear()
 
 
+#: Before matching: the no-op views and aliases go (Inductor drops them right after this hook, and
+#: the traced patterns do not have them). The canonical forms are applied to the forward copy only.
+REWRITES = (Rewrite(remove_noop_ops, preserves_layout=True),)
+
+
 def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:
-    """Find every region in the forward copy, then replace each one's backward; returns the count.
-    The no-op views and aliases (which Inductor drops right after this hook, and the traced
-    patterns do not have) are dropped first."""
-    remove_noop_ops(graph)
+    """Find every region in the forward copy, then replace each one's backward; returns the count."""
     backward_nodes = _backward_nodes(graph)
     copy = _forward_copy(graph, backward_nodes)
     canonicalize(copy.graph)  # a merged duplicate's origins go to the node kept (ORIGIN)

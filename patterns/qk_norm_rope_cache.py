@@ -60,6 +60,7 @@ from torch._inductor.pattern_matcher import Match, gen_pattern, register_replace
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.families import Family
+from fusion_pass.rewrites import Rewrite
 from fusion_pass.kernels.qk_norm_rope_cache_op import (
     ArgumentError,
     check_qk_norm_rope_cache_args,
@@ -80,19 +81,8 @@ from fusion_pass.kernels.qk_norm_rope_cache_reference import (
 )
 from fusion_pass.matching import VIEW_OPS, EPS_EXAMPLE, apply_first_to_last, match_value, trace_as_post_grad
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
-from fusion_pass.patterns.cache_write_forms import (
-    canonicalize_slice_writes,
-    drop_batch_of_one_reshapes,
-    normalize_flat_cache_views,
-    restore_unfused_slice_writes,
-)
-from fusion_pass.patterns.canonical_forms import (
-    canonicalize,
-    contiguous_copies_dropped,
-    half_table_rotations_as_rotate_half,
-    restore_unfused_copies,
-    restore_unfused_half_table_rotations,
-)
+from fusion_pass.patterns.cache_write_forms import BATCH_OF_ONE_RESHAPES, FLAT_CACHE_VIEWS, SLICE_WRITES
+from fusion_pass.patterns.canonical_forms import CANONICAL_FORMS, CONTIGUOUS_COPIES, HALF_TABLE_ROTATIONS
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
 from fusion_pass.patterns.qk_norm_rope_cache_near_misses import REFUSED, near_miss_pass, report_unmatched_prologues
 from fusion_pass.patterns.rotary_tables import compute_tables_in_kernels
@@ -545,31 +535,24 @@ def register(pass_dict) -> None:
         )
 
 
-def apply(graph: torch.fx.Graph, pass_dict) -> int:
-    """Run the registered patterns on ``graph``; returns the number of layers fused.
+#: Before matching, in order (``fusion_pass.rewrites``; undone, last first, where no fusion used them).
+#: torch.export puts an ``aten._assert_tensor_metadata`` on every ``.to(dtype)`` result: an extra user
+#: of the norm's intermediates, it hid every prologue of an exported program (AOTInductor); Inductor
+#: lowers them to nothing and erases them in its post-grad passes anyway. Then the norm's and
+#: ``rotate_half``'s spellings (``canonical_forms``), and the cache writes' (``cache_write_forms``):
+#: slice-assigned writes become index_put writes at ``arange(start, end)``, so that one pattern
+#: covers both.
+REWRITES = (Rewrite(remove_assert_ops, preserves_layout=True), *CANONICAL_FORMS, CONTIGUOUS_COPIES,
+            HALF_TABLE_ROTATIONS, BATCH_OF_ONE_RESHAPES, FLAT_CACHE_VIEWS, SLICE_WRITES)
 
-    Equivalent spellings of the norm and of ``rotate_half`` are first rewritten to the one the
-    patterns match (``canonical_forms``: exact, value-preserving rewrites). Slice-assigned cache
-    writes are rewritten as index_put writes at ``arange(start, end)`` so that one pattern covers
-    both; the ones no fusion consumed are put back as they were, and so are two rewrites that
-    change a layout (a dropped ``.contiguous()`` copy, half-width-table RoPE read as Hugging Face's).
-    """
-    # torch.export puts an aten._assert_tensor_metadata on every .to(dtype) result: an extra user
-    # of the norm's intermediates, it hid every prologue of an exported program (AOTInductor).
-    # Inductor lowers them to nothing and erases them later in its post-grad passes anyway.
-    remove_assert_ops(graph)
-    canonicalize(graph)
-    copies = contiguous_copies_dropped(graph)
-    rotations = half_table_rotations_as_rotate_half(graph)
-    drop_batch_of_one_reshapes(graph)
-    normalize_flat_cache_views(graph)
-    rewrites = canonicalize_slice_writes(graph)
+
+def apply(graph: torch.fx.Graph, pass_dict) -> int:
+    """Run the registered patterns on ``graph`` (rewritten by ``REWRITES``); returns the number of
+    layers fused. Where a fusion computes the rotary tables in its kernel, the table nodes go; then
+    the norm -> RoPE prologues left unfused are reported with their reasons."""
     count = apply_first_to_last(pass_dict, graph)
     if count:
         compute_tables_in_kernels(graph)
-    restore_unfused_slice_writes(graph, rewrites)
     near_miss_pass(FAMILY.name).apply(graph)
     report_unmatched_prologues(graph, FAMILY.name)
-    restore_unfused_half_table_rotations(graph, rotations)
-    restore_unfused_copies(graph, copies)
     return count

@@ -90,9 +90,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.families import Family
+from fusion_pass.rewrites import Rewrite
 from fusion_pass.matching import match_value
 from fusion_pass.pattern_cache import inputs_signature, traced_pattern
-from fusion_pass.patterns.canonical_forms import scatter_sums_second_half_first
+from fusion_pass.patterns.canonical_forms import SCATTER_SUMS
 # The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
 from fusion_pass.kernels.qkv_rope_qk_norm_op import QKVRopeQKNormFunction
@@ -635,11 +636,7 @@ def register(pass_dict: PatternMatcherPass) -> None:
         )
 
 
-def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:
-    """Match in the joint graph as ``joint_custom_pre_pass`` gets it: first drop the no-op views
-    and copies, which Inductor drops right after this hook (``remove_noop_ops``) and which the
-    traced patterns do not have, and order the backward's sums of ``rotate_half`` as the traced
-    patterns have them (``canonical_forms``)."""
-    remove_noop_ops(graph)
-    scatter_sums_second_half_first(graph)  # rotate_half's slices taken in either order
-    return pass_dict.apply(graph)
+#: Before matching the joint graph as ``joint_custom_pre_pass`` gets it: drop the no-op views and
+#: copies, which Inductor drops right after this hook (``remove_noop_ops``) and the traced patterns
+#: do not have; order the backward's sums of ``rotate_half`` as the traced patterns have them.
+REWRITES = (Rewrite(remove_noop_ops, preserves_layout=True), SCATTER_SUMS)

@@ -13,6 +13,7 @@ generation (``graph_backend``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import warnings
 
@@ -22,7 +23,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
 import fusion_pass
-from fusion_pass import passes
+from fusion_pass import passes, rewrites
 from fusion_pass.install import FORWARD_HOOK, TRAINING_HOOK
 from fusion_pass.match_report import COUNTER_KEY, INTERNAL_ERRORS_KEY
 from fusion_pass.patterns import qk_norm_rope_backward, qk_norm_rope_cache, qkv_rope_qk_norm
@@ -37,19 +38,21 @@ class InjectedFault(Exception):
 
 
 #: family -> stage -> (the pattern module's function that faults, whether it raises after running:
-#: then the graph is already changed, and must be put back).
+#: then the graph is already changed, and must be put back). Two stages fault the same way in every
+#: family: "rewrite" (the last of the family's ``REWRITES``, after it ran) and "finish" (the undos of
+#: the rewrites, after they ran: the whole family has run then).
 FAULTS = {
     "qk_norm_rope_cache": {
-        "register": ("register", False), "rewrite": ("canonicalize", True), "match": ("apply_first_to_last", True),
-        "check": ("_aliasing_reason", False), "replace": ("_fused", False), "finish": ("apply", True)},
+        "register": ("register", False), "match": ("apply_first_to_last", True),
+        "check": ("_aliasing_reason", False), "replace": ("_fused", False)},
     "qkv_rope_qk_norm": {
-        "register": ("register", False), "rewrite": ("scatter_sums_second_half_first", True),
-        "match": ("_check", False), "check": ("_semantics_problem", False), "replace": ("_fused_op", False),
-        "finish": ("apply", True)},
+        "register": ("register", False), "match": ("_check", False), "check": ("_semantics_problem", False),
+        "replace": ("_fused_op", False)},
     "qk_norm_rope_backward": {
-        "register": ("register", False), "rewrite": ("remove_noop_ops", True), "match": ("_find_region", False),
-        "check": ("_refusal", False), "replace": ("_replace", True), "finish": ("apply", True)},
+        "register": ("register", False), "match": ("_find_region", False), "check": ("_refusal", False),
+        "replace": ("_replace", True)},
 }
+STAGES = ["register", "rewrite", "match", "check", "replace", "finish"]
 MODULES = {"qk_norm_rope_cache": qk_norm_rope_cache, "qkv_rope_qk_norm": qkv_rope_qk_norm,
            "qk_norm_rope_backward": qk_norm_rope_backward}
 FUSIONS = {"qk_norm_rope_cache": 2, "qkv_rope_qk_norm": 2, "qk_norm_rope_backward": 4}
@@ -108,17 +111,26 @@ def _stock(family: str) -> tuple[torch.Tensor, ...]:
     return tuple(_run(family, _model(family)))
 
 
-def _inject(monkeypatch, family: str, stage: str) -> None:
-    name, after = FAULTS[family][stage]
-    module = MODULES[family]
-    original = getattr(module, name)
-
+def _faulty(function, family: str, after: bool):
     def faulty(*args, **kwargs):
         if after:
-            original(*args, **kwargs)
-        raise InjectedFault(f"injected into {family}.{name}")
+            function(*args, **kwargs)
+        raise InjectedFault(f"injected into {family}.{function.__name__}")
 
-    monkeypatch.setattr(module, name, faulty)
+    return faulty
+
+
+def _inject(monkeypatch, family: str, stage: str) -> None:
+    module = MODULES[family]
+    if stage == "rewrite":
+        *first, last = module.REWRITES
+        monkeypatch.setattr(module, "REWRITES", (*first, dataclasses.replace(last, run=_faulty(last.run, family, True))))
+        return
+    if stage == "finish":
+        monkeypatch.setattr(rewrites, "undo_rewrites", _faulty(rewrites.undo_rewrites, family, True))
+        return
+    name, after = FAULTS[family][stage]
+    monkeypatch.setattr(module, name, _faulty(getattr(module, name), family, after))
     if stage == "register":  # registration happens once per process: make this compile register again
         passes._family_pass.cache_clear()
 
@@ -129,7 +141,7 @@ def registrations_restored():
     passes._family_pass.cache_clear()  # a registration made under a fault is not kept
 
 
-@pytest.mark.parametrize("stage", ["register", "rewrite", "match", "check", "replace", "finish"])
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("family", sorted(FAULTS))
 def test_a_fault_leaves_the_graph_as_it_was_and_the_compile_as_stock(family, stage, monkeypatch,
                                                                      registrations_restored):
