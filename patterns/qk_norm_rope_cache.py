@@ -152,7 +152,9 @@ class Variant:
     autocast: bool = False
 
     @property
-    def paged(self) -> bool:
+    def writes_slots(self) -> bool:
+        """The cache is written at a slot mapping (``"paged"`` or ``"flat"``), not at the positions
+        of a dense cache."""
         return self.cache != "dense"
 
     @property
@@ -227,7 +229,7 @@ def _rope(variant: Variant):
 
 def _cache_write(variant: Variant, cache, position, rows):
     """The functional cache write of ``variant``: rows are ``[B, Hkv, S, D]`` or ``[T, Hkv, D]``."""
-    if not variant.paged:
+    if not variant.writes_slots:
         return aten.index_put.default(cache, [None, None, position], rows)
     if variant.layout == "bshd":
         rows = rows.squeeze(0).transpose(0, 1)  # [1, Hkv, S, D] -> [S, Hkv, D]
@@ -347,7 +349,7 @@ def _kernel_in_graph(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_
         return q_out, k_out, k_cache, v_cache
     storage = {}
     k_rows, v_rows = k_cache, v_cache
-    if variant.paged:
+    if variant.writes_slots:
         # The kernel addresses the paged cache as [1, Hkv, slots, D] and writes the user's tensor.
         kv_heads, head_dim = k.shape[1], k.shape[3]
         k_rows = paged_cache_rows(k_cache, "key_cache", kv_heads, head_dim)
@@ -367,7 +369,7 @@ def _op_call(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_cache, v
         q_eps, k_eps = (e if isinstance(e, torch.Tensor) else torch.tensor(e, dtype=torch.float64)
                         for e in (q_eps, k_eps))
     cache_args = dict(k_cache=k_cache, v_cache=v_cache, cache_position=cache_position)
-    if variant.paged:
+    if variant.writes_slots:
         # The paged op takes the cache tensors themselves (see the op's schema comment).
         cache_args = dict(key_cache=k_cache, value_cache=v_cache, slot_mapping=cache_position)
         op = (torch.ops.fusion_pass.qk_norm_rope_paged_cache_eps_tensor if eps_tensor
@@ -427,11 +429,11 @@ def _check(match: Match, variant: Variant) -> bool:
     if cos is None or sin is None:
         return False  # cos/sin that vary over heads: not RoPE as the op applies it
     q, k, v = _op_layout(variant, q, k, v)
-    check = check_qk_norm_rope_paged_cache_args if variant.paged else check_qk_norm_rope_cache_args
+    check = check_qk_norm_rope_paged_cache_args if variant.writes_slots else check_qk_norm_rope_cache_args
     reason = _aliasing_reason(match)
     try:
         if reason is None:
-            order = {} if variant.paged else dict(rope_first=variant.rope_first)
+            order = {} if variant.writes_slots else dict(rope_first=variant.rope_first)
             check(q, k, v, match_value(match, "q_weight"), match_value(match, "k_weight"), cos, sin, match_value(match, "k_cache"),
                   match_value(match, "v_cache"), match_value(match, "cache_position"), variant.norm_form.style,
                   cos.shape[-1] if variant.partial_rope else None, variant.interleaved, **order)
@@ -450,7 +452,7 @@ def _check(match: Match, variant: Variant) -> bool:
 
 def _example_inputs(variant: Variant):
     batch, q_heads, kv_heads, seq, head_dim, length = 2, 4, 2, 8, 16, 24
-    if variant.paged:
+    if variant.writes_slots:
         batch = 1  # tokens flattened into one batch row
     dtype = torch.bfloat16
 

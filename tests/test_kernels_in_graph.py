@@ -63,7 +63,7 @@ def _forward_args(variant, batch=2, seq=5, q_heads=8, kv_heads=2, head_dim=32, c
     def t(*shape):
         return torch.randn(*shape, generator=g).to(BF16).to(DEV)
 
-    if variant.paged:
+    if variant.writes_slots:
         batch = 1
     if variant.layout == "tokens":
         q, k, v = t(seq, q_heads, head_dim), t(seq, kv_heads, head_dim), t(seq, kv_heads, head_dim)
