@@ -257,9 +257,6 @@ def qk_norm_rope_cache_from_positions_reference(
     )
 
 
-_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
-
-
 def rope_ulp_error(
     out: torch.Tensor, ref: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> float:
@@ -276,12 +273,11 @@ def rope_ulp_error(
     """
     if out.numel() == 0:
         return 0.0
-    mantissa = _MANTISSA_BITS[ref.dtype]
-    tiny = torch.finfo(ref.dtype).tiny
+    finfo = torch.finfo(ref.dtype)
     x = normed.to(torch.float32)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     terms = (x * cos.unsqueeze(1).float()).abs() + (rotated * sin.unsqueeze(1).float()).abs()
-    scale = torch.maximum(ref.to(torch.float32).abs(), terms).clamp_min(tiny)
-    ulp = torch.exp2(torch.floor(torch.log2(scale)) - mantissa)
+    scale = torch.maximum(ref.to(torch.float32).abs(), terms).clamp_min(finfo.tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(scale))) * finfo.eps  # eps: one ulp at 1.0
     return float(((out.to(torch.float32) - ref.to(torch.float32)).abs() / ulp).max())

@@ -34,7 +34,8 @@ on would see): ``clone(x)`` read only element by element (``.contiguous()``
 after the transpose) -> ``x`` (``contiguous_copies_dropped``); ``cat((x1 * c - x2 * s, x2 * c + x1 *
 s), -1)`` (half-width tables) -> ``x * cat(c, c) + cat(-x2, x1) * cat(s, s)``
 (``half_table_rotations_as_rotate_half``). Each rewrite is a ``fusion_pass.rewrites.Rewrite``
-(``CANONICAL_FORMS``, ``CONTIGUOUS_COPIES``, ``HALF_TABLE_ROTATIONS``, ``SCATTER_SUMS``).
+(``CANONICAL_FORMS``, ``CONTIGUOUS_COPIES``, ``HALF_TABLE_ROTATIONS``, ``SCATTER_SUMS``,
+``NOOP_VIEWS_AND_COPIES``).
 
 Each rewrite is local and value-preserving, so a graph that then matches nothing computes what
 it did before (the nodes differ, the values do not). The patterns are traced through the same
@@ -49,6 +50,7 @@ import operator
 import sys
 
 import torch
+from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
 from fusion_pass.matching import VIEW_OPS, node_value
 from fusion_pass.rewrites import Rewrite, apply_rewrites
@@ -744,6 +746,10 @@ HALF_TABLE_ROTATIONS = Rewrite(half_table_rotations_as_rotate_half, preserves_la
 
 #: rotate_half's backward sums in the order the training patterns trace them.
 SCATTER_SUMS = Rewrite(scatter_sums_second_half_first, preserves_layout=True)
+
+#: Inductor's own: the no-op views and copies of a joint graph, which Inductor drops right after the
+#: hook and the traced training patterns do not have.
+NOOP_VIEWS_AND_COPIES = Rewrite(remove_noop_ops, preserves_layout=True)
 
 
 def canonicalize(graph: torch.fx.Graph) -> int:

@@ -48,14 +48,12 @@ import itertools
 from typing import Any, Callable
 
 import torch
-from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, gen_pattern, register_graph_pattern
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.families import Family
-from fusion_pass.rewrites import Rewrite
 from fusion_pass.kernels.qk_norm_rope_backward_op import backward_in_graph
 from fusion_pass.kernels.qkv_rope_qk_norm_backward_triton import NORM_STYLES
 from fusion_pass.kernels.qk_norm_rope_cache_reference import partial_rope_reference, rope_reference
@@ -63,7 +61,7 @@ from fusion_pass.kernels.rounding import SUPPORTED_DTYPES
 from fusion_pass.kernels.triton_device import kernels_in_graph
 from fusion_pass.pattern_cache import inputs_signature, retraced_check, traced_pattern
 from fusion_pass.matching import node_value, trace_canonical
-from fusion_pass.patterns.canonical_forms import ORIGIN, canonicalize
+from fusion_pass.patterns.canonical_forms import NOOP_VIEWS_AND_COPIES, ORIGIN, canonicalize
 from fusion_pass.patterns.norm_forms import NORM_FORMS, NormForm
 
 FAMILY = Family("qk_norm_rope_backward", "per-head RMSNorm <-> RoPE of q or k in training, its backward one "
@@ -595,9 +593,8 @@ def reset_variant_counts() -> None:
     _variant_counts.clear()
 
 
-#: Before matching: the no-op views and aliases go (Inductor drops them right after this hook, and
-#: the traced patterns do not have them). The canonical forms are applied to the forward copy only.
-REWRITES = (Rewrite(remove_noop_ops, preserves_layout=True),)
+#: Before matching; the canonical forms are applied to the forward copy only (``apply``).
+REWRITES = (NOOP_VIEWS_AND_COPIES,)
 
 
 def apply(graph: torch.fx.Graph, pass_dict: PatternMatcherPass) -> int:

@@ -77,7 +77,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch._inductor.fx_passes.post_grad import remove_noop_ops
 from torch._inductor.pattern_matcher import (
     Match,
     PatternMatcherPass,
@@ -90,10 +89,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.families import Family
-from fusion_pass.rewrites import Rewrite
 from fusion_pass.matching import match_value
 from fusion_pass.pattern_cache import inputs_signature, traced_pattern
-from fusion_pass.patterns.canonical_forms import SCATTER_SUMS
+from fusion_pass.patterns.canonical_forms import NOOP_VIEWS_AND_COPIES, SCATTER_SUMS
 # The Hugging Face building blocks (HunYuanDenseV1RMSNorm, apply_rotary_pos_emb), op for op.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import rms_norm_reference, rope_reference
 from fusion_pass.kernels.qkv_rope_qk_norm_op import QKVRopeQKNormFunction
@@ -636,7 +634,5 @@ def register(pass_dict: PatternMatcherPass) -> None:
         )
 
 
-#: Before matching the joint graph as ``joint_custom_pre_pass`` gets it: drop the no-op views and
-#: copies, which Inductor drops right after this hook (``remove_noop_ops``) and the traced patterns
-#: do not have; order the backward's sums of ``rotate_half`` as the traced patterns have them.
-REWRITES = (Rewrite(remove_noop_ops, preserves_layout=True), SCATTER_SUMS)
+#: Before matching the joint graph as ``joint_custom_pre_pass`` gets it.
+REWRITES = (NOOP_VIEWS_AND_COPIES, SCATTER_SUMS)
