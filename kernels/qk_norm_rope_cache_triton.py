@@ -84,45 +84,44 @@ STREAM_BLOCKS = 4
 
 
 @triton.jit
-def _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_d):
-    """int64 element offsets ``[heads, rows, D/2]`` of the first halves of the given rows."""
+def _tile_pointers(view, batch, heads, rows, offs_d):
+    """Pointers ``[heads, rows, D/2]`` to the first halves of the given rows of ``view``, a strided
+    ``[B, H, rows, D]`` tensor given as ``(ptr, stride_b, stride_h, stride_row)`` (int64 offsets)."""
+    ptr, stride_b, stride_h, stride_row = view
     row = batch * stride_b + heads[:, None] * stride_h + rows[None, :] * stride_row
-    return row[:, :, None] + offs_d[None, None, :]
+    return ptr + (row[:, :, None] + offs_d[None, None, :])
 
 
 @triton.jit
-def _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF: tl.constexpr,
-                   PARTIAL: tl.constexpr):
+def _pair_pointers(view, batch, heads, rows, offs_1, offs_2, HALF: tl.constexpr, PARTIAL: tl.constexpr):
     """Pointers ``[heads, rows, D/2]`` to the features of the two half tiles: ``offs_1`` and
     ``offs_1 + HALF`` (the RoPE halves), or (``PARTIAL``: partial rotary, ``_feature_offsets``)
     ``offs_1`` and ``offs_2``."""
-    first = ptr + _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_1)
+    first = _tile_pointers(view, batch, heads, rows, offs_1)
     if PARTIAL:
-        second = ptr + _tile_offsets(batch, heads, rows, stride_b, stride_h, stride_row, offs_2)
+        second = _tile_pointers(view, batch, heads, rows, offs_2)
     else:
         second = first + HALF
     return first, second
 
 
 @triton.jit
-def _load_pair_tiles(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, ht_mask, d_mask3,
-                     HALF: tl.constexpr, PARTIAL: tl.constexpr):
+def _load_pair_tiles(view, batch, heads, rows, offs_1, offs_2, ht_mask, d_mask3, HALF: tl.constexpr,
+                     PARTIAL: tl.constexpr):
     """The two ``[heads, rows, D/2]`` tiles of the RoPE pairs, in fp32 (``ht_mask`` [heads, rows])."""
     mask = ht_mask[:, :, None] & d_mask3
-    src, src2 = _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF,
-                               PARTIAL)
+    src, src2 = _pair_pointers(view, batch, heads, rows, offs_1, offs_2, HALF, PARTIAL)
     x1 = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first")
     x2 = tl.load(src2, mask=mask, other=0.0, eviction_policy="evict_first")
     return x1.to(tl.float32), x2.to(tl.float32)
 
 
 @triton.jit
-def _store_pair_tiles(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, ht_mask, d_mask3,
-                      out1, out2, HALF: tl.constexpr, PARTIAL: tl.constexpr):
+def _store_pair_tiles(view, batch, heads, rows, offs_1, offs_2, ht_mask, d_mask3, out1, out2, HALF: tl.constexpr,
+                      PARTIAL: tl.constexpr):
     """Store the two tiles where ``_load_pair_tiles`` loads them from."""
     mask = ht_mask[:, :, None] & d_mask3
-    dst, dst2 = _pair_pointers(ptr, batch, heads, rows, stride_b, stride_h, stride_row, offs_1, offs_2, HALF,
-                               PARTIAL)
+    dst, dst2 = _pair_pointers(view, batch, heads, rows, offs_1, offs_2, HALF, PARTIAL)
     tl.store(dst, out1, mask=mask)
     tl.store(dst2, out2, mask=mask)
 
@@ -183,12 +182,8 @@ def _norm_rope_interleaved(
 
 
 @triton.jit
-def _load_cos_sin(
-    cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, offs_h, offs_s64, token_mask, offs_d, d_mask,
-    stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-    attention_scaling,
-    dtype: tl.constexpr, HALF: tl.constexpr, ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr,
-):
+def _load_cos_sin(rotary, batch, offs_h, offs_s64, token_mask, offs_d, d_mask, dtype: tl.constexpr,
+                  HALF: tl.constexpr, ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr):
     """cos/sin of this program's tokens as four fp32 tiles (first/second half), broadcast over heads.
 
     Tensor cos/sin are loaded straight into the ``[heads, tokens, D/2]`` layout of the head tiles,
@@ -196,7 +191,10 @@ def _load_cos_sin(
     shared-memory layout conversion per table, and the compiler serialized those (load, barrier,
     convert, next load: four L2 round trips per program before any math). Computed cos/sin
     stay ``[tokens, D/2]`` (computing them per head would repeat the transcendentals).
+    ``rotary``: ``ROTARY`` of the kernel.
     """
+    (cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
+     stride_pos_b, stride_pos_s, attention_scaling) = rotary
     if ROPE_FROM_POSITIONS:
         positions = tl.load(position_ids_ptr + batch * stride_pos_b + offs_s64 * stride_pos_s, mask=token_mask, other=0)
         inv_freq = tl.load(inv_freq_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
@@ -378,46 +376,49 @@ def _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position,
 
 
 @triton.jit
-def _norm_rope_blocks(
-    first_block, x_ptr, weight_ptr, out_ptr, cache_ptr, heads_total, batch, offs_s64, token_mask, positions,
-    position_ok, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, offs_d, d_mask, d_mask3, offs_1, offs_2, rotated,
-    rot_mask, stride_x_b, stride_x_h, stride_x_s, stride_o_b, stride_o_h, stride_o_s, stride_c_b, stride_c_h,
-    stride_c_l, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, eps,
-    attention_scaling,
-    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-    ROPE_FROM_POSITIONS: tl.constexpr, INTERPRETED: tl.constexpr, NORM_STYLE: tl.constexpr,
-    ROPE_FIRST: tl.constexpr, PARTIAL: tl.constexpr, INTERLEAVED: tl.constexpr, ROT_HALF: tl.constexpr,
-    WRITE_CACHE: tl.constexpr,
-):
+def _norm_rope_blocks(first_block, x, weight_ptr, out, cache, heads_total, batch, tokens, slots, rotary, features, eps,
+                      dtype: tl.constexpr, TILE, FORM, WRITE_CACHE: tl.constexpr):
     """Norm + RoPE of ``BLOCKS_PER_PROGRAM`` head blocks of q (or k: ``WRITE_CACHE``, which also
     writes the cache rows), from head block ``first_block`` on, of this program's tokens. Every
     block's loads are issued before the first store: no load can be moved above a store (the
     pointers may alias), so loading, computing and storing each block in turn keeps one block per
     program in flight. cos/sin are read or computed once, after those loads (their latency, or the
-    angles' arithmetic, overlaps them), and serve every block (the same tokens)."""
+    angles' arithmetic, overlaps them), and serve every block (the same tokens).
+
+    ``x``, ``out``, ``cache``: views ``(ptr, stride_b, stride_h, stride_row)``; ``tokens``, ``slots``,
+    ``rotary``, ``features``, ``TILE``, ``FORM``: the kernel's records of those names."""
+    HEAD_DIM: tl.constexpr = TILE[0]
+    HALF: tl.constexpr = TILE[1]
+    HALF_BLOCK: tl.constexpr = TILE[2]
+    HEADS_PER_PROGRAM: tl.constexpr = TILE[3]
+    TOKENS_PER_PROGRAM: tl.constexpr = TILE[4]
+    BLOCKS_PER_PROGRAM: tl.constexpr = TILE[5]
+    ROPE_FROM_POSITIONS: tl.constexpr = FORM[0]
+    INTERPRETED: tl.constexpr = FORM[1]
+    NORM_STYLE: tl.constexpr = FORM[2]
+    ROPE_FIRST: tl.constexpr = FORM[3]
+    PARTIAL: tl.constexpr = FORM[4]
+    INTERLEAVED: tl.constexpr = FORM[5]
+    ROT_HALF: tl.constexpr = FORM[6]
+    offs_s64, token_mask = tokens
+    positions, position_ok = slots
+    offs_d, d_mask, d_mask3, offs_1, offs_2, rotated, rot_mask = features
     heads = tl.arange(0, HEADS_PER_PROGRAM)
     if INTERLEAVED:
         # No launcher computes interleaved cos/sin from positions (the pass reads the model's tables).
         tl.static_assert(not ROPE_FROM_POSITIONS)
-        _norm_rope_interleaved_blocks(
-            first_block, x_ptr, weight_ptr, out_ptr, cache_ptr, heads_total, batch, offs_s64, token_mask, positions,
-            position_ok, cos_ptr, sin_ptr, stride_x_b, stride_x_h, stride_x_s, stride_o_b, stride_o_h, stride_o_s,
-            stride_c_b, stride_c_h, stride_c_l, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, eps, dtype,
-            HEAD_DIM, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM, INTERPRETED, NORM_STYLE,
-            ROPE_FIRST, 2 * ROT_HALF, WRITE_CACHE)
+        _norm_rope_interleaved_blocks(first_block, x, weight_ptr, out, cache, heads_total, batch, tokens, slots, rotary,
+                                      eps, dtype, TILE, FORM, WRITE_CACHE)
     else:
         tiles = ()
         for i in tl.static_range(BLOCKS_PER_PROGRAM):
             offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
             ht_mask = (offs_h < heads_total)[:, None] & token_mask[None, :]
-            tiles = tiles + _load_pair_tiles(x_ptr, batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, offs_1,
-                                             offs_2, ht_mask, d_mask3, HALF, PARTIAL)
+            tiles = tiles + _load_pair_tiles(x, batch, offs_h, offs_s64, offs_1, offs_2, ht_mask, d_mask3, HALF,
+                                             PARTIAL)
         cos1, cos2, sin1, sin2 = _load_cos_sin(
-            cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, batch, (first_block * HEADS_PER_PROGRAM + heads).to(tl.int64),
-            offs_s64, token_mask, offs_d,
-            rot_mask, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s,
-            attention_scaling, dtype, ROT_HALF, ROPE_FROM_POSITIONS, INTERPRETED,
+            rotary, batch, (first_block * HEADS_PER_PROGRAM + heads).to(tl.int64), offs_s64, token_mask, offs_d,
+            rot_mask, dtype, ROT_HALF, ROPE_FROM_POSITIONS, INTERPRETED,
         )
         for i in tl.static_range(BLOCKS_PER_PROGRAM):
             offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
@@ -425,31 +426,35 @@ def _norm_rope_blocks(
             ht_mask = head_ok[:, None] & token_mask[None, :]
             out1, out2 = _norm_rope(
                 tiles[2 * i], tiles[2 * i + 1], weight_ptr, offs_1, offs_2, d_mask, rotated, eps, cos1, cos2, sin1,
-                sin2, x_ptr.dtype.element_ty, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL,
+                sin2, x[0].dtype.element_ty, dtype, HEAD_DIM, HALF, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL,
             )
             out1 = out1.to(dtype)
             out2 = out2.to(dtype)
-            _store_pair_tiles(out_ptr, batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, offs_1, offs_2,
-                              ht_mask, d_mask3, out1, out2, HALF, PARTIAL)
+            _store_pair_tiles(out, batch, offs_h, offs_s64, offs_1, offs_2, ht_mask, d_mask3, out1, out2, HALF, PARTIAL)
             if WRITE_CACHE:
-                _store_pair_tiles(cache_ptr, batch, offs_h, positions, stride_c_b, stride_c_h, stride_c_l, offs_1,
-                                  offs_2, head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF,
-                                  PARTIAL)
+                _store_pair_tiles(cache, batch, offs_h, positions, offs_1, offs_2,
+                                  head_ok[:, None] & position_ok[None, :], d_mask3, out1, out2, HALF, PARTIAL)
 
 
 @triton.jit
-def _norm_rope_interleaved_blocks(
-    first_block, x_ptr, weight_ptr, out_ptr, cache_ptr, heads_total, batch, offs_s64, token_mask, positions,
-    position_ok, cos_ptr, sin_ptr, stride_x_b, stride_x_h, stride_x_s, stride_o_b, stride_o_h, stride_o_s,
-    stride_c_b, stride_c_h, stride_c_l, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, eps,
-    dtype: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-    TOKENS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, INTERPRETED: tl.constexpr,
-    NORM_STYLE: tl.constexpr, ROPE_FIRST: tl.constexpr, ROTARY_DIM: tl.constexpr, WRITE_CACHE: tl.constexpr,
-):
+def _norm_rope_interleaved_blocks(first_block, x, weight_ptr, out, cache, heads_total, batch, tokens, slots, rotary,
+                                  eps, dtype: tl.constexpr, TILE, FORM, WRITE_CACHE: tl.constexpr):
     """``_norm_rope_blocks`` for interleaved (GPT-J) pairs ``(x[2i], x[2i+1])``: whole
     ``[heads, tokens, D]`` rows, loaded and stored as contiguous 16-byte runs, each pair's partner
     taken in registers (``_rotate_pairs``); cos/sin ``[B or 1, S, ROTARY_DIM]`` hold one entry per
     rotated feature, loaded in the rows' layout."""
+    HEAD_DIM: tl.constexpr = TILE[0]
+    HALF_BLOCK: tl.constexpr = TILE[2]
+    HEADS_PER_PROGRAM: tl.constexpr = TILE[3]
+    TOKENS_PER_PROGRAM: tl.constexpr = TILE[4]
+    BLOCKS_PER_PROGRAM: tl.constexpr = TILE[5]
+    INTERPRETED: tl.constexpr = FORM[1]
+    NORM_STYLE: tl.constexpr = FORM[2]
+    ROPE_FIRST: tl.constexpr = FORM[3]
+    ROTARY_DIM: tl.constexpr = 2 * FORM[6]
+    offs_s64, token_mask = tokens
+    positions, position_ok = slots
+    cos_ptr, sin_ptr, _, _, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, _, _, _ = rotary
     heads = tl.arange(0, HEADS_PER_PROGRAM)
     feats = tl.arange(0, 2 * HALF_BLOCK)
     f_mask = feats < HEAD_DIM
@@ -457,8 +462,8 @@ def _norm_rope_interleaved_blocks(
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         ht_mask = (offs_h < heads_total)[:, None] & token_mask[None, :]
-        offs = _tile_offsets(batch, offs_h, offs_s64, stride_x_b, stride_x_h, stride_x_s, feats)
-        rows = rows + (tl.load(x_ptr + offs, mask=ht_mask[:, :, None] & f_mask[None, None, :], other=0.0,
+        src = _tile_pointers(x, batch, offs_h, offs_s64, feats)
+        rows = rows + (tl.load(src, mask=ht_mask[:, :, None] & f_mask[None, None, :], other=0.0,
                                eviction_policy="evict_first").to(tl.float32),)
     # The tables hold one entry per feature (the model's, already repeated per pair), so they load
     # per row in the rows' own layout: each head re-reads its token's row (L1 hits), and nothing
@@ -477,32 +482,31 @@ def _norm_rope_interleaved_blocks(
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         head_ok = offs_h < heads_total
-        out = _norm_rope_interleaved(
-            rows[i], w, weight_ptr, feats, f_mask, eps, cos, sin, x_ptr.dtype.element_ty, dtype, HEAD_DIM,
+        result = _norm_rope_interleaved(
+            rows[i], w, weight_ptr, feats, f_mask, eps, cos, sin, x[0].dtype.element_ty, dtype, HEAD_DIM,
             HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, HALF_BLOCK, INTERPRETED, NORM_STYLE, ROPE_FIRST, ROTARY_DIM,
             WEIGHT_HOISTED,
         ).to(dtype)
-        offs = _tile_offsets(batch, offs_h, offs_s64, stride_o_b, stride_o_h, stride_o_s, feats)
-        tl.store(out_ptr + offs, out, mask=(head_ok[:, None] & token_mask[None, :])[:, :, None] & f_mask[None, None, :])
+        dst = _tile_pointers(out, batch, offs_h, offs_s64, feats)
+        tl.store(dst, result, mask=(head_ok[:, None] & token_mask[None, :])[:, :, None] & f_mask[None, None, :])
         if WRITE_CACHE:
-            offs = _tile_offsets(batch, offs_h, positions, stride_c_b, stride_c_h, stride_c_l, feats)
-            tl.store(cache_ptr + offs, out,
-                     mask=(head_ok[:, None] & position_ok[None, :])[:, :, None] & f_mask[None, None, :])
+            dst = _tile_pointers(cache, batch, offs_h, positions, feats)
+            tl.store(dst, result, mask=(head_ok[:, None] & position_ok[None, :])[:, :, None] & f_mask[None, None, :])
 
 
 @triton.jit
-def _copy_blocks(first_block, v_ptr, v_cache_ptr, kv_heads, batch, offs_s64, positions, position_ok, offs_d,
-                 d_mask3, stride_v_b, stride_v_h, stride_v_s, stride_vc_b, stride_vc_h, stride_vc_l,
-                 HALF: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
+def _copy_blocks(first_block, v, v_cache, kv_heads, batch, offs_s64, slots, offs_d, d_mask3, HALF: tl.constexpr,
+                 HEADS_PER_PROGRAM: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
     """v rows of ``BLOCKS_PER_PROGRAM`` head blocks from ``first_block`` on, copied into the v cache
     (raw values, no math); rows of skipped positions are not read. Every block is loaded before
     the first store (see ``_norm_rope_blocks``)."""
+    positions, position_ok = slots
     heads = tl.arange(0, HEADS_PER_PROGRAM)
     tiles = ()
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
         offs_h = ((first_block + i) * HEADS_PER_PROGRAM + heads).to(tl.int64)
         cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
-        src = v_ptr + _tile_offsets(batch, offs_h, offs_s64, stride_v_b, stride_v_h, stride_v_s, offs_d)
+        src = _tile_pointers(v, batch, offs_h, offs_s64, offs_d)
         tiles = tiles + (tl.load(src, mask=cache_mask, other=0.0, eviction_policy="evict_first"),
                          tl.load(src + HALF, mask=cache_mask, other=0.0, eviction_policy="evict_first"))
     for i in tl.static_range(BLOCKS_PER_PROGRAM):
@@ -510,7 +514,7 @@ def _copy_blocks(first_block, v_ptr, v_cache_ptr, kv_heads, batch, offs_s64, pos
         cache_mask = ((offs_h < kv_heads)[:, None] & position_ok[None, :])[:, :, None] & d_mask3
         v1 = tiles[2 * i]
         v2 = tiles[2 * i + 1]
-        dst = v_cache_ptr + _tile_offsets(batch, offs_h, positions, stride_vc_b, stride_vc_h, stride_vc_l, offs_d)
+        dst = _tile_pointers(v_cache, batch, offs_h, positions, offs_d)
         tl.store(dst, v1, mask=cache_mask)
         tl.store(dst + HALF, v2, mask=cache_mask)
 
@@ -593,41 +597,34 @@ def _qk_norm_rope_cache_kernel(
         rotated = d_mask  # unused
         rot_mask = d_mask
 
+    # The records the helpers take (Triton tuples; the entry points themselves stay flat: the
+    # functional Triton HOP names every argument, and torch.compile passes no tuple to a kernel).
+    tokens = (offs_s64, token_mask)
+    features = (offs_d, d_mask, d_mask3, offs_1, offs_2, rotated, rot_mask)
+    rotary = (cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
+              stride_pos_b, stride_pos_s, attention_scaling)
+    TILE: tl.constexpr = (HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM)
+    FORM: tl.constexpr = (ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, INTERLEAVED, ROT_HALF)
+    k_cache = (k_cache_ptr, stride_kc_b, stride_kc_h, stride_kc_l)
     if group < q_groups:
         # ---- q: norm + rope -> q_out (no cache row)
-        _norm_rope_blocks(
-            group * BLOCKS_PER_PROGRAM, q_ptr, q_weight_ptr, q_out_ptr, k_cache_ptr, q_heads, batch, offs_s64,
-            token_mask, offs_s64, token_mask, cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, offs_d, d_mask,
-            d_mask3, offs_1, offs_2, rotated, rot_mask, stride_q_b, stride_q_h, stride_q_s, stride_qo_b,
-            stride_qo_h, stride_qo_s, stride_kc_b, stride_kc_h, stride_kc_l, stride_cos_b, stride_cos_s,
-            stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, q_eps, attention_scaling,
-            dtype, HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM,
-            ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, INTERLEAVED,
-            ROT_HALF, False,
-        )
+        _norm_rope_blocks(group * BLOCKS_PER_PROGRAM, (q_ptr, stride_q_b, stride_q_h, stride_q_s), q_weight_ptr,
+                          (q_out_ptr, stride_qo_b, stride_qo_h, stride_qo_s), k_cache, q_heads, batch, tokens, tokens,
+                          rotary, features, q_eps, dtype, TILE, FORM, False)
     else:
         # The cache rows of this program's tokens (k and v programs write them), in one place: every
         # tl.device_assert site ends with a barrier.
-        positions, position_ok = _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position,
-                                             cache_len)
+        slots = _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position, cache_len)
         if group < q_groups + kv_groups:
             # ---- k: norm + rope -> k_out and the k cache rows
-            _norm_rope_blocks(
-                (group - q_groups) * BLOCKS_PER_PROGRAM, k_ptr, k_weight_ptr, k_out_ptr, k_cache_ptr, kv_heads,
-                batch, offs_s64, token_mask, positions, position_ok, cos_ptr, sin_ptr, position_ids_ptr,
-                inv_freq_ptr, offs_d, d_mask, d_mask3, offs_1, offs_2, rotated, rot_mask, stride_k_b, stride_k_h,
-                stride_k_s, stride_ko_b, stride_ko_h, stride_ko_s, stride_kc_b, stride_kc_h, stride_kc_l,
-                stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s, stride_pos_b, stride_pos_s, k_eps,
-                attention_scaling,
-                dtype, HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM,
-                ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, INTERLEAVED,
-                ROT_HALF, True,
-            )
+            _norm_rope_blocks((group - q_groups) * BLOCKS_PER_PROGRAM, (k_ptr, stride_k_b, stride_k_h, stride_k_s),
+                              k_weight_ptr, (k_out_ptr, stride_ko_b, stride_ko_h, stride_ko_s), k_cache, kv_heads, batch,
+                              tokens, slots, rotary, features, k_eps, dtype, TILE, FORM, True)
         else:
             # ---- v: copied into the v cache rows
-            _copy_blocks((group - q_groups - kv_groups) * BLOCKS_PER_PROGRAM, v_ptr, v_cache_ptr, kv_heads, batch,
-                         offs_s64, positions, position_ok, offs_d, d_mask3, stride_v_b, stride_v_h, stride_v_s,
-                         stride_vc_b, stride_vc_h, stride_vc_l, HALF, HEADS_PER_PROGRAM, BLOCKS_PER_PROGRAM)
+            _copy_blocks((group - q_groups - kv_groups) * BLOCKS_PER_PROGRAM, (v_ptr, stride_v_b, stride_v_h, stride_v_s),
+                         (v_cache_ptr, stride_vc_b, stride_vc_h, stride_vc_l), kv_heads, batch, offs_s64, slots, offs_d,
+                         d_mask3, HALF, HEADS_PER_PROGRAM, BLOCKS_PER_PROGRAM)
 
 
 @triton.jit(do_not_specialize=["seq_len"])

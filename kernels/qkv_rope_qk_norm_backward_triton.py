@@ -353,23 +353,35 @@ def _rotary_mask(mask, d, HALF: tl.constexpr, ROT_HALF: tl.constexpr):
 
 @triton.jit
 def _qk_tile(
-    g_ptr, g_sb, g_sh, g_ss,  # grad of the normed rows [B, H, S, D]
-    x_ptr, x_sb, x_ss, x_sh,  # pre-RoPE rows [B, S, H, D]
-    r_ptr, r_sb, r_sh, r_ss,  # rstd [B, H, S]
-    cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss,
+    g, x, r, tables,
     w1, w2,  # [BLOCK_HALF] fp32 norm-weight halves
-    o_ptr, o_sb, o_ss,  # d(proj) [B, S, H*D]
+    o,
     cs_ptr,  # fp32 cos/sin partial rows of this head block: [M, 2*RW], RW the tables' width (NEED_CS)
     h0, t0, M, S,
     H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BH: tl.constexpr, BT: tl.constexpr,
-    ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
+    BH: tl.constexpr, BT: tl.constexpr, FORM,
 ):
     """Backward of w * rmsnorm(rope(x)) (NORM_FIRST: of rope(w * rmsnorm(x))) on one [BH heads,
     BT tokens] tile, held as two [BH, BT, D/2] fp32 half tiles (rotate_half is free). Stores
     d(proj), the cos/sin partial rows (sums over this tile's heads) and returns the tile's
-    norm-weight grad halves [BLOCK_HALF]."""
+    norm-weight grad halves [BLOCK_HALF].
+
+    ``g`` (the grad of the normed rows [B, H, S, D]), ``x`` (the pre-RoPE rows [B, S, H, D]), ``r``
+    (rstd [B, H, S]): views ``(ptr, stride_b, stride_h, stride_s)``; ``tables``, ``o``, ``FORM``: the
+    kernels' records of those names."""
+    g_ptr, g_sb, g_sh, g_ss = g
+    x_ptr, x_sb, x_sh, x_ss = x
+    r_ptr, r_sb, r_sh, r_ss = r
+    cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss = tables
+    o_ptr, o_sb, o_ss = o
+    ROUND: tl.constexpr = FORM[0]
+    INTERP: tl.constexpr = FORM[1]
+    NEED_W: tl.constexpr = FORM[2]
+    NEED_CS: tl.constexpr = FORM[3]
+    NORM_FIRST: tl.constexpr = FORM[4]
+    ROUND_Y: tl.constexpr = FORM[5]
+    NORM_STYLE: tl.constexpr = FORM[6]
+    ROT_HALF: tl.constexpr = FORM[7]
     h = h0 + tl.arange(0, BH).to(tl.int64)
     t = t0 + tl.arange(0, BT).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -502,6 +514,8 @@ def _qk_norm_rope_bwd_kernel(
     pid = tl.program_id(0)
     dk_ptr = dq_ptr + dk_off
     dv_ptr = dq_ptr + dv_off
+    FORM: tl.constexpr = (ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)
+    tables = (cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss)
     NQB: tl.constexpr = (HQ + BHQ - 1) // BHQ
     NKB: tl.constexpr = (HKV + BHK - 1) // BHK
     PQ = NQB * GQ
@@ -519,11 +533,9 @@ def _qk_norm_rope_bwd_kernel(
         cs_blk = cs_ws_ptr + hb.to(tl.int64) * M * (4 * ROT_HALF)
         for tt in range(grp, NTT_Q, GQ):
             gw1, gw2 = _qk_tile(
-                gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss,
-                cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dq_ptr, dq_sb, dq_ss, cs_blk,
-                hb * BHQ, tt * BTQ, M, S,
-                HQ, D, HALF, BLOCK_HALF, BHQ, BTQ, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y, NORM_STYLE,
-                ROT_HALF,
+                (gq_ptr, gq_sb, gq_sh, gq_ss), (q_ptr, q_sb, q_sh, q_ss), (rq_ptr, rq_sb, rq_sh, rq_ss), tables,
+                w1, w2, (dq_ptr, dq_sb, dq_ss), cs_blk, hb * BHQ, tt * BTQ, M, S, HQ, D, HALF, BLOCK_HALF, BHQ, BTQ,
+                FORM,
             )
             acc1 += gw1
             acc2 += gw2
@@ -542,11 +554,9 @@ def _qk_norm_rope_bwd_kernel(
         cs_blk = cs_ws_ptr + (NQB + hb).to(tl.int64) * M * (4 * ROT_HALF)
         for tt in range(grp, NTT_KV, GK):
             gw1, gw2 = _qk_tile(
-                gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss,
-                cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb, sin_ss, w1, w2, dk_ptr, dk_sb, dk_ss, cs_blk,
-                hb * BHK, tt * BTK, M, S,
-                HKV, D, HALF, BLOCK_HALF, BHK, BTK, ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y, NORM_STYLE,
-                ROT_HALF,
+                (gk_ptr, gk_sb, gk_sh, gk_ss), (k_ptr, k_sb, k_sh, k_ss), (rk_ptr, rk_sb, rk_sh, rk_ss), tables,
+                w1, w2, (dk_ptr, dk_sb, dk_ss), cs_blk, hb * BHK, tt * BTK, M, S, HKV, D, HALF, BLOCK_HALF, BHK, BTK,
+                FORM,
             )
             acc1 += gw1
             acc2 += gw2
@@ -575,19 +585,31 @@ def _qk_norm_rope_bwd_kernel(
 
 @triton.jit
 def _qk_head_rows(
-    g_ptr, x_ptr, r_ptr, o_ptr,  # this head's rows: grad [.., D], pre-RoPE x [.., D], rstd, d(proj)
-    g_rows, x_rows, r_rows, o_rows,  # [BT] int64 row offsets of the tile's tokens
+    pointers,  # (grad, pre-RoPE x, rstd, d(proj)): this head's rows
+    rows,  # [BT] int64 row offsets of the tile's tokens, one per pointer
     d, m2, tm,
-    c1, c2, s1, s2, w1, w2,  # [BT, BLOCK_HALF] fp32 tables, [BLOCK_HALF] fp32 weight halves
-    pw1, pw2, gc1, gc2, gs1, gs2,  # [BT, BLOCK_HALF] fp32 accumulators (returned updated)
-    D: tl.constexpr, HALF: tl.constexpr,
-    ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr, ROT_HALF: tl.constexpr,
+    table_halves,  # (c1, c2, s1, s2): [BT, BLOCK_HALF] fp32
+    weight_halves,  # (w1, w2): [BLOCK_HALF] fp32
+    sums,  # (pw1, pw2, gc1, gc2, gs1, gs2): [BT, BLOCK_HALF] fp32 accumulators, returned updated
+    D: tl.constexpr, HALF: tl.constexpr, FORM,
 ):
     """Backward of ``w * rmsnorm(rope(x))`` (NORM_FIRST: of ``rope(w * rmsnorm(x))``) for one
     head on a tile of BT tokens (two [BT, D/2] halves): stores d(proj) and adds this head's terms
     of the norm-weight and cos/sin grads to the accumulators, per token and feature (no reduction
     across threads). The same formulas as ``_qk_tile``."""
+    g_ptr, x_ptr, r_ptr, o_ptr = pointers
+    g_rows, x_rows, r_rows, o_rows = rows
+    c1, c2, s1, s2 = table_halves
+    w1, w2 = weight_halves
+    pw1, pw2, gc1, gc2, gs1, gs2 = sums
+    ROUND: tl.constexpr = FORM[0]
+    INTERP: tl.constexpr = FORM[1]
+    NEED_W: tl.constexpr = FORM[2]
+    NEED_CS: tl.constexpr = FORM[3]
+    NORM_FIRST: tl.constexpr = FORM[4]
+    ROUND_Y: tl.constexpr = FORM[5]
+    NORM_STYLE: tl.constexpr = FORM[6]
+    ROT_HALF: tl.constexpr = FORM[7]
     col1, col2 = _pair_columns(d, HALF, ROT_HALF)
     col1 = col1[None, :]
     col2 = col2[None, :]
@@ -629,21 +651,28 @@ def _qk_head_rows(
 
 @triton.jit
 def _heads_of_slice(
-    g_ptr, g_sb, g_sh, g_ss,  # grad [B, H, S, D]
-    x_ptr, x_sb, x_ss, x_sh,  # pre-RoPE [B, S, H, D]
-    r_ptr, r_sb, r_sh, r_ss,  # rstd [B, H, S]
-    o_ptr, o_sb, o_ss,  # d(proj) [B, S, H*D]
+    g, x, r, o,
     w_ptr, gw_row_ptr,  # norm weight [D]; this program's fp32 weight-grad partial row [D]
-    h_lo, h_hi, b, s, d, dm, m2, tm,
-    c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-    D: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    ROUND: tl.constexpr, INTERP: tl.constexpr, NEED_W: tl.constexpr, NEED_CS: tl.constexpr,
-    STAGES: tl.constexpr, NORM_FIRST: tl.constexpr, ROUND_Y: tl.constexpr, NORM_STYLE: tl.constexpr,
-    ROT_HALF: tl.constexpr,
+    h_lo, h_hi,
+    tokens,  # (b, s, tm): [BT] batch and sequence index of each token, in range
+    features,  # (d, dm, m2): [BLOCK_HALF] lanes, in range; [BT, BLOCK_HALF] both
+    table_halves, cos_sin_sums,  # (c1, c2, s1, s2); (gc1, gc2, gs1, gs2): [BT, BLOCK_HALF] fp32
+    D: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BLOCK_HALF: tl.constexpr, STAGES: tl.constexpr, FORM,
 ):
     """Heads [h_lo, h_hi) of one tensor (q or k) on the program's tokens: the loop over heads,
     software-pipelined STAGES deep, then the weight-grad partial row (summed over the tokens).
-    Returns the cos/sin accumulators with these heads' terms added."""
+    Returns the cos/sin accumulators with these heads' terms added. ``g``, ``x``, ``r``, ``o``:
+    views as ``_qk_tile``'s."""
+    g_ptr, g_sb, g_sh, g_ss = g
+    x_ptr, x_sb, x_sh, x_ss = x
+    r_ptr, r_sb, r_sh, r_ss = r
+    o_ptr, o_sb, o_ss = o
+    b, s, tm = tokens
+    d, dm, m2 = features
+    gc1, gc2, gs1, gs2 = cos_sin_sums
+    NEED_W: tl.constexpr = FORM[2]
+    NORM_STYLE: tl.constexpr = FORM[6]
+    ROT_HALF: tl.constexpr = FORM[7]
     col1, col2 = _pair_columns(d, HALF, ROT_HALF)
     w1 = _effective_weight(tl.load(w_ptr + col1, mask=dm, other=0.0).to(tl.float32), NORM_STYLE)
     w2 = _effective_weight(tl.load(w_ptr + col2, mask=dm, other=0.0).to(tl.float32), NORM_STYLE)
@@ -656,9 +685,8 @@ def _heads_of_slice(
     for h in tl.range(h_lo, h_hi, num_stages=STAGES):
         hh = tl.cast(h, tl.int64)
         pw1, pw2, gc1, gc2, gs1, gs2 = _qk_head_rows(
-            g_ptr, x_ptr, r_ptr, o_ptr, g_tok + hh * g_sh, x_tok + hh * x_sh, r_tok + hh * r_sh, o_tok + hh * D,
-            d, m2, tm, c1, c2, s1, s2, w1, w2, pw1, pw2, gc1, gc2, gs1, gs2, D, HALF, ROUND, INTERP, NEED_W, NEED_CS,
-            NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)
+            (g_ptr, x_ptr, r_ptr, o_ptr), (g_tok + hh * g_sh, x_tok + hh * x_sh, r_tok + hh * r_sh, o_tok + hh * D),
+            d, m2, tm, table_halves, (w1, w2), (pw1, pw2, gc1, gc2, gs1, gs2), D, HALF, FORM)
     if NEED_W:
         tl.store(gw_row_ptr + col1, _sum(pw1, 0), mask=dm)
         tl.store(gw_row_ptr + col2, _sum(pw2, 0), mask=dm)
@@ -722,17 +750,19 @@ def _qk_norm_rope_bwd_rows_kernel(
 
     # q heads of this slice, then k's (each writes its norm-weight partial row)
     CQ: tl.constexpr = (HQ + NS - 1) // NS
+    FORM: tl.constexpr = (ROUND, INTERP, NEED_W, NEED_CS, NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)
+    tokens = (b, s, tm)
+    features = (d, dm, m2)
+    table_halves = (c1, c2, s1, s2)
     gc1, gc2, gs1, gs2 = _heads_of_slice(
-        gq_ptr, gq_sb, gq_sh, gq_ss, q_ptr, q_sb, q_ss, q_sh, rq_ptr, rq_sb, rq_sh, rq_ss, dq_ptr, dq_sb, dq_ss,
+        (gq_ptr, gq_sb, gq_sh, gq_ss), (q_ptr, q_sb, q_sh, q_ss), (rq_ptr, rq_sb, rq_sh, rq_ss), (dq_ptr, dq_sb, dq_ss),
         wq_ptr, gw_ws_ptr + pid.to(tl.int64) * D, slice_ * CQ, tl.minimum(slice_ * CQ + CQ, HQ),
-        b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)
+        tokens, features, table_halves, (gc1, gc2, gs1, gs2), D, HALF, BT, BLOCK_HALF, STAGES, FORM)
     CK: tl.constexpr = (HKV + NS - 1) // NS
     gc1, gc2, gs1, gs2 = _heads_of_slice(
-        gk_ptr, gk_sb, gk_sh, gk_ss, k_ptr, k_sb, k_ss, k_sh, rk_ptr, rk_sb, rk_sh, rk_ss, dk_ptr, dk_sb, dk_ss,
+        (gk_ptr, gk_sb, gk_sh, gk_ss), (k_ptr, k_sb, k_sh, k_ss), (rk_ptr, rk_sb, rk_sh, rk_ss), (dk_ptr, dk_sb, dk_ss),
         wk_ptr, gw_ws_ptr + (P + pid).to(tl.int64) * D, slice_ * CK, tl.minimum(slice_ * CK + CK, HKV),
-        b, s, d, dm, m2, tm, c1, c2, s1, s2, gc1, gc2, gs1, gs2,
-        D, HALF, BT, BLOCK_HALF, ROUND, INTERP, NEED_W, NEED_CS, STAGES, NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)
+        tokens, features, table_halves, (gc1, gc2, gs1, gs2), D, HALF, BT, BLOCK_HALF, STAGES, FORM)
 
     if NEED_CS:
         # grad_cos = sum of R(dx*q); grad_sin = sum of R(dx*rotate_half(q)) = [-gs1, gs2].
