@@ -26,7 +26,7 @@ them in the JSON: ``repeats_us``), which keeps the lent machine's slow host spel
 Our kernel is fed the pre-RoPE q/k (strided views of qkv = hidden @ W.T, computed once in setup),
 where the workload gives query_pre_norm: the bytes read are identical.
 
-Writes DIR/<date>-h200-backward.{json,md,png}. Without CUDA: says so, runs a tiny correctness check
+Writes DIR/<date>-<gpu>-backward.{json,md,png}. Without CUDA: says so, runs a tiny correctness check
 of the kernels under the Triton interpreter, exits 0.
 """
 
@@ -49,6 +49,7 @@ import triton  # noqa: E402
 
 from fusion_pass.kernels import projection_backward as pb  # noqa: E402
 from fusion_pass.kernels import qkv_rope_qk_norm_backward_triton as kb  # noqa: E402
+from bench_common import log, result_stem  # noqa: E402
 
 HQ, HKV, D, HIDDEN = 32, 8, 128, 4096
 QKV = (HQ + 2 * HKV) * D
@@ -58,10 +59,6 @@ CASES = [(128, 1), (128, 4), (128, 16), (128, 32), (128, 64), (131, 1), (256, 1)
 QUICK = [(128, 1), (256, 1), (293, 2), (2048, 2)]
 REPEATS = 3  # do_bench medians per case for ours and the two cuBLAS GEMMs; the least is reported
 DEVICE = "cuda"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,7 +369,7 @@ def run_gpu(args) -> int:
                    anchor_gemms_us=an.get("cublas_two_gemms_us"), anchor_stock_compile_us=an.get("compiled_us"))
         rows.append(row)
         # A run cut short keeps the cases it measured.
-        (out_dir / f"{date}-h200-backward.partial.json").write_text(json.dumps(
+        pathlib.Path(result_stem(out_dir, "backward") + ".partial.json").write_text(json.dumps(
             dict(copy_TBps=copy_tbps, mm_TFLOPs=mm_tflops, cases=rows), indent=1))
         log(f"S={S:5d} B={B:3d} M={M:5d}  floor {floor_us:7.1f}  gemms {gemms_us:7.1f}  eager {eager_us:7.1f}  "
             f"stock {stock_us if stock_us is None else round(stock_us, 1)}  ours {fusion_us:7.1f} "
@@ -407,7 +404,7 @@ def run_gpu(args) -> int:
                                               for r in rows if r["M"] <= 586},
                    config=dict(ELEMENTWISE_PROGRAMS_PER_SM=kb.ELEMENTWISE_PROGRAMS_PER_SM),
                    cases=rows)
-    stem = out_dir / f"{date}-h200-backward"
+    stem = pathlib.Path(result_stem(out_dir, "backward"))
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     write_markdown(stem.with_suffix(".md"), summary)
     wrote = [".json", ".md"] + ([".png"] if write_plot(stem.with_suffix(".png"), rows) else [])

@@ -22,7 +22,7 @@ whether the pass variant fused (``fusion_pass.match_counts()``). Floors: F bytes
 bandwidth measured in this run; B the three projection GEMMs (forward and two backward) alone, cuBLAS,
 timed in this run.
 
-Writes DIR/<date>-h200-compiled.{json,md}. Without CUDA: says so and exits 0.
+Writes DIR/<date>-<gpu>-compiled.{json,md}. Without CUDA: says so and exits 0.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import triton.testing
 from torch import nn
 
 import fusion_pass
-from bench_forward import bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_timing  # suite F's timing
+from bench_common import attempt, bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_timing, log, result_stem
 
 F_CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
            (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
@@ -50,10 +50,6 @@ B_QUICK = [(128, 1), (256, 8), (541, 4), (2048, 2)]
 DTYPE = torch.bfloat16
 F_HQ, F_HKV, F_D, F_L, F_THETA, EPS = 96, 8, 128, 262144, 10_000_000.0, 1e-6
 B_HQ, B_HKV, B_D, B_HIDDEN = 32, 8, 128, 4096
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
 
 
 def rotate_half(x):
@@ -140,15 +136,6 @@ class FusedQKVBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def attempt(r: dict, key: str, fn) -> None:
-    try:
-        r[key] = fn()
-    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-        r[key] = None
-        r.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[:400]
-        log(f"    {key}: FAILED {type(e).__name__}: {str(e)[:300]}")
 
 
 def time_interleaved(r: dict, kept: dict, rounds: int = 40, calls: int = 20) -> None:
@@ -320,7 +307,7 @@ def markdown(result: dict) -> str:
 
 def plot_f(result: dict, path: str) -> None:
     """Suite F per case: CUDA-graph replay over the bytes floor (stock, pass) and the default-mode
-    paired ratio pass / stock, as DIR/<date>-h200-compiled-F.png."""
+    paired ratio pass / stock, as DIR/<date>-<gpu>-compiled-F.png."""
     try:
         import matplotlib
 
@@ -380,7 +367,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     date = datetime.date.today().isoformat()
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, date=date)
-    path = os.path.join(args.out, f"{date}-h200-compiled")
+    path = result_stem(args.out, "compiled")
     suites = {s.strip() for s in args.suites.split(",")}
     keys = [f"{v}{s}" for v in ("eager", "stock", "fusion_pass") for s in ("_us", "_graph_us", "_host_us")]
 

@@ -66,7 +66,7 @@ Per case and variant, in this order:
    two q/k/v projection GEMMs (which stock compile runs as well); the script times FLOP-equal GEMMs
    alone and also reports the share without them.
 
-Writes DIR/<date>-h200-end-to-end.json (versions, machine, every figure, errors; rewritten after every
+Writes DIR/<date>-<gpu>-end-to-end.json (versions, machine, every figure, errors; rewritten after every
 case), .md (table) and .png (speed-up over stock compile per case; skipped with a note without
 matplotlib). Every case and every variant runs in try/except: a failure is recorded in the JSON, never
 dropped.
@@ -113,6 +113,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import fusion_pass  # noqa: E402
+from bench_common import log, result_stem  # noqa: E402
 from training_step import make_train_step  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -156,10 +157,6 @@ SHARE_METHOD = (
     "code in the pass variant, as in stock compile, and is not counted); 'excl. GEMMs' subtracts FLOP-equal "
     "cuBLAS GEMMs timed the same way."
 )
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
 
 
 @dataclasses.dataclass
@@ -962,7 +959,7 @@ def run_cuda(args, g: Geometry) -> int:
         "TORCHINDUCTOR_CACHE_DIR per run unless set", share_method=SHARE_METHOD,
         cases_not_selected=[c for c in CASES if c not in selected], cases=[],
     )
-    base = os.path.join(args.out, f"{date}-h200-end-to-end")
+    base = result_stem(args.out, "end-to-end")
     log(f"{result.get('gpu')}: torch {torch.__version__}, triton {triton.__version__}, transformers "
         f"{transformers.__version__}; geometry {dataclasses.asdict(g)}")
 

@@ -20,7 +20,7 @@ Per case (S, C, B) of WORKLOADS.md section F (Hq 96, Hkv 8, D 128, L 262144, bf1
 Every case is checked before it is timed: op vs reference (q_out, k_out within 1 bf16 ulp at the
 RoPE-term scale, written cache rows bit-equal to k_out / v, sampled unwritten rows untouched),
 and both compiled modules vs eager. Timing: ``triton.testing.do_bench(..., return_mode="median")``
-(flushes L2 between runs) and ``do_bench_cudagraph``. Writes DIR/<date>-h200-forward.{json,md,png}.
+(flushes L2 between runs) and ``do_bench_cudagraph``. Writes DIR/<date>-<gpu>-forward.{json,md,png}.
 
 Without CUDA it runs a tiny correctness check under the Triton interpreter and exits 0.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import inspect
 import json
 import math
 import os
@@ -46,6 +45,8 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import fusion_pass  # noqa: E402
+from bench_common import (  # noqa: E402
+    attempt, bench, bench_graph, copy_bandwidth_tbps, log, result_stem, synchronize)
 from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel  # noqa: E402
 from fusion_pass.kernels import qk_norm_rope_cache_reference as cache_reference  # noqa: E402
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (  # noqa: E402
@@ -69,13 +70,8 @@ SWEEP_CONFIGS = [{}] + [
     dict(heads_per_program=1, tokens_per_program=16, num_warps=4, blocks_per_program=n) for n in (2, 8)
 ] + [dict(heads_per_program=1, tokens_per_program=16, num_warps=4, blocks_per_program=4, group_major=True)] + [
     dict(heads_per_program=8, tokens_per_program=t, num_warps=4, blocks_per_program=1) for t in (4, 2)]
-REP_MS = 60
 DEVICE = "cuda"  # a module global so that a CPU dry run can swap it
 K_FILL, V_FILL = 1.5, -2.5  # cache contents before the run; unwritten rows must keep them
-
-
-def log(*args) -> None:
-    print(*args, flush=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -125,108 +121,9 @@ def case_bytes(seq: int, batch: int) -> int:
 # ------------------------------------------------------------------------------------------
 
 
-def synchronize() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def empty_cache() -> None:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-
-
-def bench(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=REP_MS, return_mode="median")) * 1e3
-
-
-def host_us(fn, calls: int = 30, samples: int = 5) -> float:
-    """Least of ``samples`` samples of the host time per call, ``calls`` calls each with no
-    synchronization inside a sample (the lent host has slow spells)."""
-    times = []
-    for _ in range(samples):
-        synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        synchronize()
-    return min(times)
-
-
-def interleaved_samples(steps: dict, rounds: int = 15, calls: int = 20) -> dict:
-    """Per variant, the list over ``rounds`` of the wall time per call (µs) of ``calls``
-    back-to-back calls (one synchronization per round, no L2 flush), the variants taking turns
-    within every round: what a loop without CUDA graphs sees, host time included. The order is
-    reversed every other round (A B, B A, ...), so a drift within a round weighs on each variant
-    alike; round i of two variants is a pair. Taking turns spreads the lent host's slow spells
-    over every variant; one ``do_bench`` per variant, one after the other, moved by up to 1.7x
-    in the same process (2026-12-01), and its L2 flush lets a host-bound call run ahead."""
-    times: dict = {k: [] for k in steps}
-    for step in steps.values():
-        step()
-    names = list(steps)
-    for i in range(rounds):
-        for k in (names if i % 2 == 0 else names[::-1]):
-            synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                steps[k]()
-            synchronize()
-            times[k].append((time.perf_counter() - t0) / calls * 1e6)
-    return times
-
-
-def paired_ratio(samples: dict, num: str, den: str) -> dict:
-    """Median and quartiles over rounds of ``samples[num][i] / samples[den][i]`` (the rounds of
-    ``interleaved_samples``): the ratio of two variants measured side by side, which the host's slow
-    spells move much less than either time."""
-    import statistics
-
-    ratios = sorted(a / b for a, b in zip(samples[num], samples[den]))
-    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return dict(median=median, q1=q1, q3=q3, rounds=len(ratios))
-
-
-def interleaved_timing(steps: dict, num: str, den: str, rounds: int = 15, calls: int = 20) -> tuple[dict, dict]:
-    """``interleaved_samples`` summarized: (per variant the median µs per call, the
-    ``paired_ratio`` of ``num`` over ``den``)."""
-    import statistics
-
-    samples = interleaved_samples(steps, rounds, calls)
-    return {k: statistics.median(v) for k, v in samples.items()}, paired_ratio(samples, num, den)
-
-
-def bench_graph(fn, rep_ms: int = REP_MS) -> float:
-    params = inspect.signature(triton.testing.do_bench_cudagraph).parameters
-    if "return_mode" in params:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-    elif "quantiles" in params:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=[0.5])
-        ms = ms[0] if isinstance(ms, (list, tuple)) else ms
-    else:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms)
-    return float(ms) * 1e3
-
-
-def copy_bandwidth_tbps() -> float:
-    n = 1 << 29  # 1 GiB of bf16 per buffer
-    src = torch.empty(n, dtype=DTYPE, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    us = bench(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / (us * 1e-6) / 1e12
-
-
-def attempt(results: dict, key: str, fn):
-    """Run fn, store its value under key; on failure store None and the error (the run goes on)."""
-    try:
-        results[key] = fn()
-    except Exception as e:  # noqa: BLE001 - a benchmark records failures, it does not stop
-        results[key] = None
-        results.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[:500]
-        log(f"    {key}: FAILED {type(e).__name__}: {str(e)[:300]}")
-    return results[key]
 
 
 # ------------------------------------------------------------------------------------------
@@ -417,7 +314,7 @@ def sweep(copy_tbps: float) -> list[dict]:
         for tile in SWEEP_CONFIGS:
             for cos_sin in ("tables", "positions"):
                 tables = cos_sin == "tables"
-                rope = {} if tables else dict(position_ids=x["position_ids"], inv_freq=module.inv_freq)
+                rope = {} if tables else dict(from_positions=kernel.RotaryFromPositions(x["position_ids"], module.inv_freq))
                 row = dict(S=seq, C=cached, B=batch, cos_sin=cos_sin, tile=tile, default=not tile)
                 try:
                     call = kernel.cache_kernel_call(
@@ -612,7 +509,7 @@ def main() -> None:
             log(f"    CASE FAILED: {type(e).__name__}: {e}")
             torch.cuda.empty_cache()
         cases.append(r)
-        with open(os.path.join(args.out, f"{date}-h200-forward.partial.json"), "w") as f:  # a run cut short keeps these
+        with open(result_stem(args.out, "forward") + ".partial.json", "w") as f:  # a run cut short keeps these
             json.dump(dict(copy_TBps=copy_tbps, cases=cases), f, indent=1)
         log("    " + ", ".join(f"{k}={r[k]:.2f}" for k in TIME_KEYS + ["max_ulp"] if isinstance(r.get(k), float))
             + f", fused={r.get('fused')} ({time.perf_counter() - t0:.0f} s)")
@@ -624,7 +521,7 @@ def main() -> None:
     )
     if not args.no_sweep:
         result["sweep"] = sweep(copy_tbps)
-    base = os.path.join(args.out, f"{date}-h200-forward")
+    base = result_stem(args.out, "forward")
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(base + ".md", "w") as f:

@@ -790,6 +790,26 @@ def launch_config(
     return LaunchConfig(half_block, heads, tokens, per_program, group_major, num_warps, grid)
 
 
+@dataclass(frozen=True)
+class KernelForm:
+    """The compile-time form of a launch, one kernel constexpr per field."""
+
+    norm: str = "weight"  # NORM_STYLE: one of NORM_STYLES
+    rope_first: bool = False  # ROPE_FIRST: RoPE, then the norm (HunYuan's order)
+    rotary_dim: int | None = None  # ROTARY_DIM: features rotated, the first R of D; None: all D
+    interleaved: bool = False  # INTERLEAVED: GPT-J's pairs (x[2i], x[2i+1])
+
+
+@dataclass(frozen=True)
+class RotaryFromPositions:
+    """cos/sin computed in the kernel (ROPE_FROM_POSITIONS), as Hugging Face's rotary module does:
+    ``cos = (cat(freqs, freqs).cos() * attention_scaling).to(dtype)``, ``freqs = position_ids * inv_freq``."""
+
+    position_ids: torch.Tensor  # [B or 1, S] int64 or int32
+    inv_freq: torch.Tensor  # [D/2] fp32, contiguous
+    attention_scaling: float = 1.0
+
+
 def _batch_stride(t: torch.Tensor):
     """A [1 or B, ...] table's batch stride: 0 when shared by the batch."""
     return 0 if isinstance(t.shape[0], int) and t.shape[0] == 1 else t.stride(0)
@@ -811,26 +831,20 @@ def cache_kernel_call(
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     *,
-    norm: str = "weight",
-    rope_first: bool = False,
-    rotary_dim: int | None = None,
-    interleaved: bool = False,
-    position_ids: torch.Tensor | None = None,
-    inv_freq: torch.Tensor | None = None,
-    attention_scaling: float = 1.0,
-    k_cache_storage: torch.Tensor | None = None,
-    v_cache_storage: torch.Tensor | None = None,
+    form: KernelForm = KernelForm(),
+    from_positions: RotaryFromPositions | None = None,
+    cache_storage: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile: dict | None = None,
     in_graph: bool = False,
 ) -> TritonCall:
     """The kernel launch for these (real or fake) tensors, with every argument named.
 
-    Arguments are those of ``qk_norm_rope_cache_triton`` (which runs it) and, for cos/sin computed
-    in the kernel, of ``qk_norm_rope_cache_from_positions_triton`` (cos = sin = None).
+    Arguments are those of ``qk_norm_rope_cache_triton`` (which runs it; ``form`` holds its
+    norm, rope_first, rotary_dim and interleaved) and, for cos/sin computed in the kernel
+    (``from_positions``; cos = sin = None), of ``qk_norm_rope_cache_from_positions_triton``.
     ``k_cache``/``v_cache`` give the [B, Hkv, L, D] addressing (strides, L); the kernel writes
-    through ``k_cache_storage``/``v_cache_storage`` when given (the user's paged cache tensors,
-    of which ``k_cache``/``v_cache`` are views at offset 0: the graph must name the tensors it
-    mutates). Pure: nothing is launched or checked here beyond what the launch needs; sizes may be
+    through ``cache_storage`` (k's, v's) when given (the user's paged cache tensors, of which
+    ``k_cache``/``v_cache`` are views at offset 0: the graph must name the tensors it mutates). Pure: nothing is launched or checked here beyond what the launch needs; sizes may be
     SymInts. The tensor arguments the kernel writes are ``WRITTEN_ARGS``.
 
     ``in_graph`` (a launch recorded into a compiled graph): ``_qk_norm_rope_cache_graph_kernel``,
@@ -841,21 +855,22 @@ def cache_kernel_call(
     """
     batch, q_heads, seq_len, head_dim = q.shape
     kv_heads = k.shape[1]
-    from_positions = position_ids is not None
+    position_ids, inv_freq, attention_scaling = (
+        (None, None, 1.0) if from_positions is None
+        else (from_positions.position_ids, from_positions.inv_freq, from_positions.attention_scaling))
+    k_written, v_written = (k_cache, v_cache) if cache_storage is None else cache_storage
     config = launch_config(batch, q_heads, kv_heads, seq_len, head_dim, q.element_size(), **(tile or {}))
-    if from_positions:
+    if from_positions is not None:
         cos_strides = sin_strides = (0, 0)
         pos_strides = (_batch_stride(position_ids), position_ids.stride(1))
     else:
         cos_strides = (_batch_stride(cos), cos.stride(1))
         sin_strides = (_batch_stride(sin), sin.stride(1))
         pos_strides = (0, 0)
-    if norm == "no_weight":
+    if form.norm == "no_weight":
         q_weight = k_weight = None
-    pointers = (q, k, v, q_weight, k_weight, cos, sin, position_ids, inv_freq,
-                k_cache if k_cache_storage is None else k_cache_storage,
-                v_cache if v_cache_storage is None else v_cache_storage,
-                cache_position, q_out, k_out)
+    pointers = (q, k, v, q_weight, k_weight, cos, sin, position_ids, inv_freq, k_written, v_written, cache_position,
+                q_out, k_out)
     (q_b, q_h, q_s), (k_b, k_h, k_s), (v_b, v_h, v_s) = q.stride()[:3], k.stride()[:3], v.stride()[:3]
     (qo_b, qo_h, qo_s), (ko_b, ko_h, ko_s) = q_out.stride()[:3], k_out.stride()[:3]
     kc, vc = k_cache.stride()[:3], v_cache.stride()[:3]
@@ -867,12 +882,12 @@ def cache_kernel_call(
     constexprs = dict(
         HEAD_DIM=head_dim,
         **config.constexprs(),
-        ROPE_FROM_POSITIONS=from_positions,
+        ROPE_FROM_POSITIONS=from_positions is not None,
         INTERPRETED=interpreting(),
-        NORM_STYLE=NORM_STYLES.index(norm),
-        ROPE_FIRST=bool(rope_first),
-        ROTARY_DIM=head_dim if rotary_dim is None else int(rotary_dim),
-        INTERLEAVED=bool(interleaved),
+        NORM_STYLE=NORM_STYLES.index(form.norm),
+        ROPE_FIRST=bool(form.rope_first),
+        ROTARY_DIM=head_dim if form.rotary_dim is None else int(form.rotary_dim),
+        INTERLEAVED=bool(form.interleaved),
     )
     if in_graph and all(is_concrete_int(x) for x in fixed):
         kernel = _qk_norm_rope_cache_graph_kernel
@@ -950,8 +965,7 @@ def qk_norm_rope_cache_triton(
         return
     cache_kernel_call(
         q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-        norm=norm, rope_first=rope_first, rotary_dim=rotary_dim, interleaved=interleaved,
-        tile=tile,
+        form=KernelForm(norm, rope_first, rotary_dim, interleaved), tile=tile,
     ).run(device_asserts=check_positions)
 
 
@@ -1000,6 +1014,5 @@ def qk_norm_rope_cache_from_positions_triton(
         return
     cache_kernel_call(
         q, k, v, q_weight, k_weight, None, None, k_cache, v_cache, cache_position, q_eps, k_eps, q_out, k_out,
-        position_ids=position_ids, inv_freq=inv_freq, attention_scaling=attention_scaling,
-        tile=tile,
+        from_positions=RotaryFromPositions(position_ids, inv_freq, attention_scaling), tile=tile,
     ).run(device_asserts=check_positions)

@@ -70,7 +70,7 @@ from fusion_pass.kernels.qk_norm_rope_cache_op import (
     unsupported_reason,
 )
 from fusion_pass.kernels.qk_norm_rope_cache_triton import WRITTEN_ARGS as CACHE_KERNEL_WRITTEN_ARGS
-from fusion_pass.kernels.qk_norm_rope_cache_triton import cache_kernel_call
+from fusion_pass.kernels.qk_norm_rope_cache_triton import KernelForm, cache_kernel_call
 from fusion_pass.kernels.triton_device import kernels_in_graph
 # The Hugging Face building blocks, op for op: traced, they are the model's graph.
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (
@@ -354,9 +354,9 @@ def _kernel_in_graph(variant: Variant, q, k, v, q_weight, k_weight, cos, sin, k_
         kv_heads, head_dim = k.shape[1], k.shape[3]
         k_rows = paged_cache_rows(k_cache, "key_cache", kv_heads, head_dim)
         v_rows = paged_cache_rows(v_cache, "value_cache", kv_heads, head_dim)
-        storage = dict(k_cache_storage=k_cache, v_cache_storage=v_cache)
+        storage = dict(cache_storage=(k_cache, v_cache))
     call = cache_kernel_call(q, k, v, q_weight, k_weight, cos, sin, k_rows, v_rows, cache_position, q_eps, k_eps,
-                             q_out, k_out, **kernel_args, **storage, in_graph=True)
+                             q_out, k_out, form=KernelForm(**kernel_args), **storage, in_graph=True)
     out = call.in_graph(CACHE_KERNEL_WRITTEN_ARGS)
     return out["q_out_ptr"], out["k_out_ptr"], out["k_cache_ptr"], out["v_cache_ptr"]
 

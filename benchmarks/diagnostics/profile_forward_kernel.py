@@ -33,7 +33,7 @@ def launches(seq: int, cached: int, batch: int, tiles: list[dict]) -> None:
     q_out, k_out = torch.empty_like(x["query"]), torch.empty_like(x["key"])
     for tile in tiles:
         for tables in (True, False):
-            rope = {} if tables else dict(position_ids=x["position_ids"], inv_freq=module.inv_freq)
+            rope = {} if tables else dict(from_positions=kernel.RotaryFromPositions(x["position_ids"], module.inv_freq))
             call = kernel.cache_kernel_call(
                 x["query"], x["key"], x["value"], qw, kw, cos if tables else None, sin if tables else None,
                 x["key_cache"], x["value_cache"], x["cache_position"], EPS, EPS, q_out, k_out, **rope, tile=tile,
