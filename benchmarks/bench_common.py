@@ -115,6 +115,10 @@ def copy_bandwidth_tbps(dtype: torch.dtype = torch.bfloat16) -> float:
     return moved / (us * 1e-6) / 1e12
 
 
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:800]
+
+
 def attempt(results: dict, key: str, fn):
     """Run fn, store its value under key; on failure store None and the error (the run goes on)."""
     try:

@@ -5,7 +5,7 @@
 Geometries (prefill, B 1, S 2048, bf16, a dense cache of 4096 rows, cos/sin tables precomputed):
 Qwen3-8B (32 query / 8 kv heads of 128), Gemma4's sliding layers (32 / 16 of 256) and its
 full-attention layers (32 / 4 of 512). Per geometry: ``torch.ops.fusion_pass.qk_norm_rope_cache``
-replayed as a CUDA graph (``bench_forward.bench_graph``, median), the floor (bytes read and written
+replayed as a CUDA graph (``bench_common.bench_graph``, median), the floor (bytes read and written
 / a 1 GiB device copy's bandwidth, measured in the same process), and their ratio; the op's outputs
 are checked against the reference first (q_out, k_out within 3 bf16 ulps of the row scale, written
 cache rows bit-equal). Bytes: read q, k, v and the cos/sin rows, write q_out, k_out and the k and v
@@ -23,7 +23,7 @@ import torch
 import triton
 
 import fusion_pass  # noqa: F401  (registers torch.ops.fusion_pass.*)
-from bench_forward import bench_graph, copy_bandwidth_tbps
+from bench_common import bench_graph, copy_bandwidth_tbps
 from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_reference
 
 GEOMETRIES = {"qwen3_8b_d128": (32, 8, 128), "gemma4_sliding_d256": (32, 16, 256), "gemma4_full_d512": (32, 4, 512)}

@@ -24,11 +24,12 @@ import sys
 
 import torch
 
-# The benchmark's StaticCache helpers: this check replays its decode recipe. Imported first: the
-# module sets its environment (fresh kernel caches; the interpreter without CUDA) before Triton
-# is imported.
+# The benchmark's StaticCache helpers: this check replays its decode recipe. bench_end_to_end is
+# imported first: it sets its environment (fresh kernel caches; the interpreter without CUDA)
+# before Triton is imported.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from bench_end_to_end import cache_kwarg_name, new_static_cache, set_cache_length  # noqa: E402
+import bench_end_to_end  # noqa: E402,F401
+from end_to_end_models import cache_kwarg_name, new_static_cache, set_cache_length  # noqa: E402
 
 import fusion_pass  # noqa: E402
 

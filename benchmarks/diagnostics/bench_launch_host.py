@@ -61,7 +61,7 @@ def load_kernel(tensors: int, ints: int):
 
 def measure_in_this_process() -> dict:
     import torch
-    from bench_forward import host_us
+    from bench_common import host_us
 
     results = {}
     for name, tensors, ints, views in SHAPES:
