@@ -19,7 +19,7 @@ import torch
 import fusion_pass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the suites
-from bench_compiled import DTYPE, F_D, F_HKV, F_HQ, F_L, F_THETA, Qwen3Prologue, RotaryEmbedding  # noqa: E402
+from compiled_modules import DTYPE, F_D, F_HKV, F_HQ, F_L, F_THETA, Qwen3Prologue, RotaryEmbedding  # noqa: E402
 
 
 def profile_case(seq: int, cached: int, batch: int, out: str) -> list[str]:
