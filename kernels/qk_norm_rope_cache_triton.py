@@ -599,32 +599,34 @@ def _qk_norm_rope_cache_kernel(
 
     # The records the helpers take (Triton tuples; the entry points themselves stay flat: the
     # functional Triton HOP names every argument, and torch.compile passes no tuple to a kernel).
-    tokens = (offs_s64, token_mask)
-    features = (offs_d, d_mask, d_mask3, offs_1, offs_2, rotated, rot_mask)
+    # A tensor is a view (ptr, stride_b, stride_h, stride_row); the others:
+    tokens = (offs_s64, token_mask)  # this program's tokens (int64), in range
+    features = (offs_d, d_mask, d_mask3, offs_1, offs_2, rotated, rot_mask)  # lanes of a half row (_feature_offsets)
     rotary = (cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
-              stride_pos_b, stride_pos_s, attention_scaling)
+              stride_pos_b, stride_pos_s, attention_scaling)  # where cos/sin come from (_load_cos_sin)
     TILE: tl.constexpr = (HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM)
     FORM: tl.constexpr = (ROPE_FROM_POSITIONS, INTERPRETED, NORM_STYLE, ROPE_FIRST, PARTIAL, INTERLEAVED, ROT_HALF)
     k_cache = (k_cache_ptr, stride_kc_b, stride_kc_h, stride_kc_l)
     if group < q_groups:
-        # ---- q: norm + rope -> q_out (no cache row)
+        # ---- q: norm + rope -> q_out (no cache row: ``slots`` is unused, the tokens stand in)
         _norm_rope_blocks(group * BLOCKS_PER_PROGRAM, (q_ptr, stride_q_b, stride_q_h, stride_q_s), q_weight_ptr,
                           (q_out_ptr, stride_qo_b, stride_qo_h, stride_qo_s), k_cache, q_heads, batch, tokens, tokens,
                           rotary, features, q_eps, dtype, TILE, FORM, False)
     else:
         # The cache rows of this program's tokens (k and v programs write them), in one place: every
-        # tl.device_assert site ends with a barrier.
+        # tl.device_assert site ends with a barrier. slots = (cache row of each token, written).
         slots = _cache_rows(cache_position_ptr, offs_s64, token_mask, stride_cache_position, cache_len)
         if group < q_groups + kv_groups:
             # ---- k: norm + rope -> k_out and the k cache rows
             _norm_rope_blocks((group - q_groups) * BLOCKS_PER_PROGRAM, (k_ptr, stride_k_b, stride_k_h, stride_k_s),
-                              k_weight_ptr, (k_out_ptr, stride_ko_b, stride_ko_h, stride_ko_s), k_cache, kv_heads, batch,
-                              tokens, slots, rotary, features, k_eps, dtype, TILE, FORM, True)
+                              k_weight_ptr, (k_out_ptr, stride_ko_b, stride_ko_h, stride_ko_s), k_cache, kv_heads,
+                              batch, tokens, slots, rotary, features, k_eps, dtype, TILE, FORM, True)
         else:
             # ---- v: copied into the v cache rows
+            v_cache = (v_cache_ptr, stride_vc_b, stride_vc_h, stride_vc_l)
             _copy_blocks((group - q_groups - kv_groups) * BLOCKS_PER_PROGRAM, (v_ptr, stride_v_b, stride_v_h, stride_v_s),
-                         (v_cache_ptr, stride_vc_b, stride_vc_h, stride_vc_l), kv_heads, batch, offs_s64, slots, offs_d,
-                         d_mask3, HALF, HEADS_PER_PROGRAM, BLOCKS_PER_PROGRAM)
+                         v_cache, kv_heads, batch, offs_s64, slots, offs_d, d_mask3, HALF, HEADS_PER_PROGRAM,
+                         BLOCKS_PER_PROGRAM)
 
 
 @triton.jit(do_not_specialize=["seq_len"])
@@ -844,8 +846,9 @@ def cache_kernel_call(
     (``from_positions``; cos = sin = None), of ``qk_norm_rope_cache_from_positions_triton``.
     ``k_cache``/``v_cache`` give the [B, Hkv, L, D] addressing (strides, L); the kernel writes
     through ``cache_storage`` (k's, v's) when given (the user's paged cache tensors, of which
-    ``k_cache``/``v_cache`` are views at offset 0: the graph must name the tensors it mutates). Pure: nothing is launched or checked here beyond what the launch needs; sizes may be
-    SymInts. The tensor arguments the kernel writes are ``WRITTEN_ARGS``.
+    ``k_cache``/``v_cache`` are views at offset 0: the graph must name the tensors it mutates).
+    Pure: nothing is launched or checked here beyond what the launch needs; sizes may be SymInts.
+    The tensor arguments the kernel writes are ``WRITTEN_ARGS``.
 
     ``in_graph`` (a launch recorded into a compiled graph): ``_qk_norm_rope_cache_graph_kernel``,
     whose head counts, cache length, eps and every stride that does not scale with B or S are

@@ -1211,8 +1211,8 @@ def qk_norm_rope_backward_triton(
         return gw[0], gw[1], gcs[0], gcs[1]
     _, gqw, gkw, gcos, gsin = _elementwise(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
-        grad_q_proj, ((dq_sb, dq_ss), (offsets[0], dk_sb, dk_ss), (offsets[1], dv_sb, dv_ss)), need_weight_grad, need_cos_sin_grad, num_programs, in_graph=False, rope_first=rope_first,
-        norm_style=norm_style)
+        grad_q_proj, ((dq_sb, dq_ss), (offsets[0], dk_sb, dk_ss), (offsets[1], dv_sb, dv_ss)), need_weight_grad,
+        need_cos_sin_grad, num_programs, in_graph=False, rope_first=rope_first, norm_style=norm_style)
     return gqw, gkw, gcos, gsin
 
 
@@ -1251,7 +1251,8 @@ def qk_norm_rope_backward_in_graph(
     row = grad_proj.stride(0)
     grad_proj, gqw, gkw, gcos, gsin = _elementwise(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
-        grad_proj, ((S * row, row), (nq, S * row, row), (nq + nk, S * row, row)), need_weight_grad, need_cos_sin_grad, None, in_graph=True, rope_first=rope_first, norm_style=norm_style)
+        grad_proj, ((S * row, row), (nq, S * row, row), (nq + nk, S * row, row)), need_weight_grad,
+        need_cos_sin_grad, None, in_graph=True, rope_first=rope_first, norm_style=norm_style)
     return grad_proj, gqw, gkw, gcos, gsin
 
 
