@@ -191,7 +191,8 @@ def _load_cos_sin(rotary, batch, offs_h, offs_s64, token_mask, offs_d, d_mask, d
     shared-memory layout conversion per table, and the compiler serialized those (load, barrier,
     convert, next load: four L2 round trips per program before any math). Computed cos/sin
     stay ``[tokens, D/2]`` (computing them per head would repeat the transcendentals).
-    ``rotary``: ``ROTARY`` of the kernel.
+    ``rotary``: the kernel's record of that name (pointers and strides of cos/sin or of position_ids and
+    inv_freq, and attention_scaling).
     """
     (cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
      stride_pos_b, stride_pos_s, attention_scaling) = rotary
@@ -601,7 +602,8 @@ def _qk_norm_rope_cache_kernel(
     # functional Triton HOP names every argument, and torch.compile passes no tuple to a kernel).
     # A tensor is a view (ptr, stride_b, stride_h, stride_row); the others:
     tokens = (offs_s64, token_mask)  # this program's tokens (int64), in range
-    features = (offs_d, d_mask, d_mask3, offs_1, offs_2, rotated, rot_mask)  # lanes of a half row (_feature_offsets)
+    # the lanes of a half row (_feature_offsets)
+    features = (offs_d, d_mask, d_mask3, offs_1, offs_2, rotated, rot_mask)
     rotary = (cos_ptr, sin_ptr, position_ids_ptr, inv_freq_ptr, stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
               stride_pos_b, stride_pos_s, attention_scaling)  # where cos/sin come from (_load_cos_sin)
     TILE: tl.constexpr = (HEAD_DIM, HALF, HALF_BLOCK, HEADS_PER_PROGRAM, TOKENS_PER_PROGRAM, BLOCKS_PER_PROGRAM)
@@ -624,9 +626,9 @@ def _qk_norm_rope_cache_kernel(
         else:
             # ---- v: copied into the v cache rows
             v_cache = (v_cache_ptr, stride_vc_b, stride_vc_h, stride_vc_l)
-            _copy_blocks((group - q_groups - kv_groups) * BLOCKS_PER_PROGRAM, (v_ptr, stride_v_b, stride_v_h, stride_v_s),
-                         v_cache, kv_heads, batch, offs_s64, slots, offs_d, d_mask3, HALF, HEADS_PER_PROGRAM,
-                         BLOCKS_PER_PROGRAM)
+            v = (v_ptr, stride_v_b, stride_v_h, stride_v_s)
+            _copy_blocks((group - q_groups - kv_groups) * BLOCKS_PER_PROGRAM, v, v_cache, kv_heads, batch, offs_s64,
+                         slots, offs_d, d_mask3, HALF, HEADS_PER_PROGRAM, BLOCKS_PER_PROGRAM)
 
 
 @triton.jit(do_not_specialize=["seq_len"])

@@ -367,8 +367,10 @@ def _qk_tile(
     norm-weight grad halves [BLOCK_HALF].
 
     ``g`` (the grad of the normed rows [B, H, S, D]), ``x`` (the pre-RoPE rows [B, S, H, D]), ``r``
-    (rstd [B, H, S]): views ``(ptr, stride_b, stride_h, stride_s)``; ``tables``, ``o``, ``FORM``: the
-    kernels' records of those names."""
+    (rstd [B, H, S]): views ``(ptr, stride_b, stride_h, stride_s)``; ``o``: d(proj) [B, S, H*D] as
+    ``(ptr, stride_b, stride_s)``, heads D apart; ``tables``: ``(cos_ptr, cos_sb, cos_ss, sin_ptr, sin_sb,
+    sin_ss)`` of cos/sin [Bc, S, RW]; ``FORM``: the kernels' constexprs ``(ROUND, INTERP, NEED_W, NEED_CS,
+    NORM_FIRST, ROUND_Y, NORM_STYLE, ROT_HALF)``."""
     g_ptr, g_sb, g_sh, g_ss = g
     x_ptr, x_sb, x_sh, x_ss = x
     r_ptr, r_sb, r_sh, r_ss = r
@@ -1202,8 +1204,7 @@ def qk_norm_rope_backward_triton(
             raise ValueError(f"qk_norm_rope_backward_triton: {name}: expected a view of grad_q_proj's buffer "
                              "(the three parts are column slices of one [M, qkv_size] gradient)")
         offsets.append(part.storage_offset() - grad_q_proj.storage_offset())
-    _rstd_strides(q_rstd, B, HQ, S, "q_rstd")  # checked before the empty case returns
-    _rstd_strides(k_rstd, B, HKV, S, "k_rstd")
+    rstd_strides = (_rstd_strides(q_rstd, B, HQ, S, "q_rstd"), _rstd_strides(k_rstd, B, HKV, S, "k_rstd"))
     M = B * S
     if M == 0:
         gw = (torch.zeros_like(q_weight), torch.zeros_like(k_weight)) if need_weight_grad else (None, None)
@@ -1211,8 +1212,9 @@ def qk_norm_rope_backward_triton(
         return gw[0], gw[1], gcs[0], gcs[1]
     _, gqw, gkw, gcos, gsin = _elementwise(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
-        grad_q_proj, ((dq_sb, dq_ss), (offsets[0], dk_sb, dk_ss), (offsets[1], dv_sb, dv_ss)), need_weight_grad,
-        need_cos_sin_grad, num_programs, in_graph=False, rope_first=rope_first, norm_style=norm_style)
+        grad_q_proj, ((dq_sb, dq_ss), (offsets[0], dk_sb, dk_ss), (offsets[1], dv_sb, dv_ss)), rstd_strides,
+        need_weight_grad, need_cos_sin_grad, num_programs, in_graph=False, rope_first=rope_first,
+        norm_style=norm_style)
     return gqw, gkw, gcos, gsin
 
 
@@ -1251,7 +1253,8 @@ def qk_norm_rope_backward_in_graph(
     row = grad_proj.stride(0)
     grad_proj, gqw, gkw, gcos, gsin = _elementwise(
         grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight.contiguous(), k_weight.contiguous(),
-        grad_proj, ((S * row, row), (nq, S * row, row), (nq + nk, S * row, row)), need_weight_grad,
+        grad_proj, ((S * row, row), (nq, S * row, row), (nq + nk, S * row, row)),
+        (_rstd_strides(q_rstd, B, HQ, S, "q_rstd"), _rstd_strides(k_rstd, B, HKV, S, "k_rstd")), need_weight_grad,
         need_cos_sin_grad, None, in_graph=True, rope_first=rope_first, norm_style=norm_style)
     return grad_proj, gqw, gkw, gcos, gsin
 
@@ -1266,16 +1269,16 @@ def _run(call: TritonCall, written: tuple[str, ...], in_graph: bool) -> dict[str
 
 
 def _elementwise(grad_q, grad_k, grad_v, q, k, q_rstd, k_rstd, cos, sin, q_weight, k_weight, grad_proj,
-                 grad_proj_layout, need_w, need_cs, num_programs, in_graph, rope_first, norm_style=0):
+                 grad_proj_layout, rstd_strides, need_w, need_cs, num_programs, in_graph, rope_first, norm_style=0):
     """The elementwise kernel (head tiles or token rows, by M), then the finishing sums; returns (grad_proj, gqw,
     gkw, gcos, gsin). ``grad_proj`` is the q part's view; ``grad_proj_layout`` = ``((q_sb, q_ss), (k_offset,
     k_sb, k_ss), (v_offset, v_sb, v_ss))``: the k and v parts lie at element offsets from it (one buffer: a
-    graph node writes whole tensors)."""
+    graph node writes whole tensors); ``rstd_strides``: (q_rstd's, k_rstd's) (b, h, s) strides, checked by
+    ``_rstd_strides``."""
     B, HQ, S, D = grad_q.shape
     HKV = grad_k.shape[1]
     dq_strides, dk_layout, dv_layout = grad_proj_layout
-    rq_s = _rstd_strides(q_rstd, B, HQ, S, "q_rstd")
-    rk_s = _rstd_strides(k_rstd, B, HKV, S, "k_rstd")
+    rq_s, rk_s = rstd_strides
     M, Bc, dev = B * S, cos.shape[0], q.device
     gq_s, gk_s, gv_s, q_s, k_s = (t.stride() for t in (grad_q, grad_k, grad_v, q, k))
     cos_s, sin_s = cos.stride(), sin.stride()
