@@ -22,16 +22,15 @@ RoPE-term scale, written cache rows bit-equal to k_out / v, sampled unwritten ro
 and both compiled modules vs eager. Timing: ``triton.testing.do_bench(..., return_mode="median")``
 (flushes L2 between runs) and ``do_bench_cudagraph``. Writes DIR/<date>-<gpu>-forward.{json,md,png}.
 
-Without CUDA it runs a tiny correctness check under the Triton interpreter and exits 0.
+Without CUDA it runs a tiny correctness check under the Triton interpreter and exits 0. The workload
+lives in ``forward_workload.py``, the tile sweep in ``forward_sweep.py``, the tables in ``forward_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -42,136 +41,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
 import fusion_pass  # noqa: E402
-from bench_common import (  # noqa: E402
-    attempt, bench, bench_graph, copy_bandwidth_tbps, log, result_stem, synchronize)
-from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel  # noqa: E402
+from bench_common import attempt, bench, bench_graph, copy_bandwidth_tbps, log, result_stem, synchronize  # noqa: E402
+from forward_report import TIME_KEYS, markdown, plot, suite_means  # noqa: E402
+from forward_sweep import sweep  # noqa: E402
+from forward_workload import (  # noqa: E402
+    DEVICE, DTYPE, EPS, HEAD_DIM, KV_HEADS, ROPE_THETA, QKNormRopeCache, case_bytes, check_caches, empty_cache,
+    make_inputs, ulp_error)
 from fusion_pass.kernels import qk_norm_rope_cache_reference as cache_reference  # noqa: E402
+from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel  # noqa: E402
 from fusion_pass.kernels.qk_norm_rope_cache_reference import (  # noqa: E402
-    qk_norm_rope_cache_reference,
-    rms_norm_reference,
-    rotate_half,
-)
+    qk_norm_rope_cache_reference, rms_norm_reference)
 
-Q_HEADS, KV_HEADS, HEAD_DIM, CACHE_LEN = 96, 8, 128, 262144
-DTYPE = torch.bfloat16
-EPS = 1e-6  # Qwen3 rms_norm_eps
-ROPE_THETA = 10_000_000.0  # Qwen3-Coder-480B-A35B rope_theta
 CASES = [(1, 0, 1), (1, 2048, 4), (128, 0, 1), (128, 0, 2), (128, 0, 8), (256, 128, 1), (256, 1024, 8),
          (293, 131, 1), (512, 256, 2), (541, 0, 1), (1024, 512, 1), (2048, 0, 1), (4096, 2048, 1)]
 QUICK_CASES = [(1, 2048, 4), (128, 0, 8), (293, 131, 1), (4096, 2048, 1)]
-SWEEP_CASES = [(4096, 2048, 1), (2048, 0, 1), (1024, 512, 1), (541, 0, 1), (293, 131, 1), (128, 0, 8), (128, 0, 2),
-               (1, 2048, 4)]
-# Tile overrides of launch_config (TILE_OVERRIDES); {} = the rule. Each runs with cos/sin read from
-# tables and computed from positions, on q/k/v laid out as Hugging Face's transposed views.
-SWEEP_CONFIGS = [{}] + [
-    dict(heads_per_program=1, tokens_per_program=16, num_warps=4, blocks_per_program=n) for n in (2, 8)
-] + [dict(heads_per_program=1, tokens_per_program=16, num_warps=4, blocks_per_program=4, group_major=True)] + [
-    dict(heads_per_program=8, tokens_per_program=t, num_warps=4, blocks_per_program=1) for t in (4, 2)]
-DEVICE = "cuda"  # a module global so that a CPU dry run can swap it
-K_FILL, V_FILL = 1.5, -2.5  # cache contents before the run; unwritten rows must keep them
-
-
-# ------------------------------------------------------------------------------------------
-# The workload, as the eager module
-# ------------------------------------------------------------------------------------------
-
-
-class QKNormRopeCache(torch.nn.Module):
-    """WORKLOADS.md F, line by line: RMSNorm(q, k) -> RoPE from inv_freq -> cache writes."""
-
-    def __init__(self, head_dim: int, eps: float, theta: float, dtype: torch.dtype, device: str) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.q_norm_weight = torch.nn.Parameter((torch.rand(head_dim, generator=g) + 0.5).to(dtype), requires_grad=False)
-        self.k_norm_weight = torch.nn.Parameter((torch.rand(head_dim, generator=g) + 0.5).to(dtype), requires_grad=False)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.eps = eps
-        self.to(device)
-
-    @staticmethod
-    def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.float()
-        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-    def forward(self, query, key, value, position_ids, key_cache, value_cache, cache_position):
-        freqs = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(query.dtype).unsqueeze(1)  # [B, 1, S, D], broadcast over heads
-        sin = emb.sin().to(query.dtype).unsqueeze(1)
-        q = self.rms(query, self.q_norm_weight, self.eps)
-        k = self.rms(key, self.k_norm_weight, self.eps)
-        query_rotated = q * cos + rotate_half(q) * sin
-        key_rotated = k * cos + rotate_half(k) * sin
-        key_cache[:, :, cache_position] = key_rotated
-        value_cache[:, :, cache_position] = value
-        return query_rotated, key_rotated
-
-
-def case_bytes(seq: int, batch: int) -> int:
-    per_token = 2 * Q_HEADS * HEAD_DIM * 2 + 5 * KV_HEADS * HEAD_DIM * 2 + 16
-    return batch * seq * per_token
-
-
-# ------------------------------------------------------------------------------------------
-# Timing
-# ------------------------------------------------------------------------------------------
-
-
-def empty_cache() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ------------------------------------------------------------------------------------------
-# One case
-# ------------------------------------------------------------------------------------------
-
-
-def make_inputs(seq: int, cached: int, batch: int):
-    device = DEVICE
-    g = torch.Generator(device=device).manual_seed(seq * 1000 + batch)
-    cache_position = torch.arange(cached, cached + seq, device=device)
-    return dict(
-        query=torch.randn(batch, Q_HEADS, seq, HEAD_DIM, device=device, generator=g).to(DTYPE),
-        key=torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device=device, generator=g).to(DTYPE) * 3,
-        value=torch.randn(batch, KV_HEADS, seq, HEAD_DIM, device=device, generator=g).to(DTYPE),
-        position_ids=cache_position[None, :].repeat(batch, 1),
-        key_cache=torch.full((batch, KV_HEADS, CACHE_LEN, HEAD_DIM), K_FILL, dtype=DTYPE, device=device),
-        value_cache=torch.full((batch, KV_HEADS, CACHE_LEN, HEAD_DIM), V_FILL, dtype=DTYPE, device=device),
-        cache_position=cache_position,
-    )
-
-
-def untouched_rows(cached: int, seq: int) -> list[int]:
-    rows = {0, 1, CACHE_LEN // 2, CACHE_LEN - 1, cached - 1, cached + seq, cached + seq + 1}
-    return sorted(r for r in rows if 0 <= r < CACHE_LEN and not cached <= r < cached + seq)
-
-
-def check_caches(x: dict, k_rows: torch.Tensor, cached: int, seq: int) -> None:
-    """Written rows equal k_rows / value exactly; sampled unwritten rows still hold the fill."""
-    kc, vc = x["key_cache"], x["value_cache"]
-    if not torch.equal(kc[:, :, cached:cached + seq], k_rows):
-        raise AssertionError("k_cache rows differ from k_out")
-    if not torch.equal(vc[:, :, cached:cached + seq], x["value"]):
-        raise AssertionError("v_cache rows differ from value")
-    for r in untouched_rows(cached, seq):
-        if not (bool((kc[:, :, r] == K_FILL).all()) and bool((vc[:, :, r] == V_FILL).all())):
-            raise AssertionError(f"cache row {r} (not in cache_position) was modified")
-
-
-def ulp_error(out_q, out_k, x: dict, module: QKNormRopeCache, cos, sin) -> float:
-    q_ref, k_ref = (
-        module.rms(x["query"], module.q_norm_weight, EPS), module.rms(x["key"], module.k_norm_weight, EPS)
-    )
-    cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_rot = q_ref * cos4 + rotate_half(q_ref) * sin4
-    k_rot = k_ref * cos4 + rotate_half(k_ref) * sin4
-    return max(cache_reference.rope_ulp_error(out_q, q_rot, q_ref, cos, sin),
-               cache_reference.rope_ulp_error(out_k, k_rot, k_ref, cos, sin))
 
 
 def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: bool, print_report: bool,
@@ -267,168 +152,6 @@ def run_case(seq: int, cached: int, batch: int, copy_tbps: float, skip_compile: 
     del x, module
     empty_cache()
     return r
-
-
-@triton.jit
-def _empty_kernel(x_ptr):
-    pass
-
-
-def floor_references(seq: int, cached: int, batch: int, floor_us: float) -> list[dict]:
-    """Two sweep rows beside a case's tiles, CUDA-graph replay: ``copy``, a ``copy_`` of the case's
-    bytes (half read, half written) in one contiguous buffer, what the device's own copy does at
-    that size; ``empty kernel``, one program doing nothing, the cost of a launch in a graph."""
-    n = case_bytes(seq, batch) // 4  # bf16 elements per buffer
-    src = torch.randn(n, device=DEVICE).to(DTYPE)
-    dst = torch.empty_like(src)
-    rows = []
-    for name, fn in (("copy", lambda: dst.copy_(src)), ("empty kernel", lambda: _empty_kernel[(1,)](src))):
-        us = bench_graph(fn, rep_ms=30)
-        rows.append(dict(S=seq, C=cached, B=batch, cos_sin=name, tile={}, default=False, graph_us=us,
-                         over_floor=us / floor_us))
-        log(f"  sweep {seq},{cached},{batch} {name}: {us:.2f} us ({us / floor_us:.2f}x floor)")
-    return rows
-
-
-def sweep(copy_tbps: float) -> list[dict]:
-    """Tile variants (``SWEEP_CONFIGS``) of the kernel compiled graphs launch (the graph entry, device
-    asserts on), with cos/sin read from tables and computed from positions, CUDA-graph replay, on
-    ``SWEEP_CASES``, with q/k/v laid out as Hugging Face's ``view(B, S, H, D).transpose(1, 2)``
-    gives them (for choosing the rule)."""
-    module = QKNormRopeCache(HEAD_DIM, EPS, ROPE_THETA, DTYPE, DEVICE)
-    qw, kw = module.q_norm_weight.detach(), module.k_norm_weight.detach()
-    rows = []
-    for seq, cached, batch in SWEEP_CASES:
-        x = make_inputs(seq, cached, batch)
-        for name in ("query", "key", "value"):  # the transposed views of [B, S, H, D] projections
-            x[name] = x[name].transpose(1, 2).contiguous().transpose(1, 2)
-        cos, sin = cache_reference.rope_cos_sin_reference(x["position_ids"], module.inv_freq, 1.0, DTYPE)
-        q_out, k_out = torch.empty_like(x["query"]), torch.empty_like(x["key"])
-        floor_us = case_bytes(seq, batch) / (copy_tbps * 1e12) * 1e6
-        # The reference's q on a cache-free call (its cache writes go to a 1-row dummy, all skipped).
-        dummy = torch.empty(batch, KV_HEADS, 1, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-        q_ref, _ = qk_norm_rope_cache_reference(x["query"], x["key"], x["value"], qw, kw, cos, sin, dummy,
-                                                dummy.clone(), torch.full_like(x["cache_position"], -1), EPS, EPS)
-        q_normed = rms_norm_reference(x["query"], qw, EPS)
-        rows += floor_references(seq, cached, batch, floor_us)
-        for tile in SWEEP_CONFIGS:
-            for cos_sin in ("tables", "positions"):
-                tables = cos_sin == "tables"
-                rope = {} if tables else dict(from_positions=kernel.RotaryFromPositions(x["position_ids"], module.inv_freq))
-                row = dict(S=seq, C=cached, B=batch, cos_sin=cos_sin, tile=tile, default=not tile)
-                try:
-                    call = kernel.cache_kernel_call(
-                        x["query"], x["key"], x["value"], qw, kw, cos if tables else None, sin if tables else None,
-                        x["key_cache"], x["value_cache"], x["cache_position"], EPS, EPS, q_out, k_out, **rope,
-                        tile=tile, in_graph=True)
-                    config = kernel.launch_config(batch, Q_HEADS, KV_HEADS, seq, HEAD_DIM, 2, **tile)
-                    row.update(dataclasses.asdict(config))
-
-                    def launch(call=call):
-                        call.run(device_asserts=True)
-
-                    q_out.zero_()
-                    launch()
-                    check_caches(x, k_out, cached, seq)
-                    row["max_ulp"] = cache_reference.rope_ulp_error(q_out, q_ref, q_normed, cos, sin)
-                    row["graph_us"] = bench_graph(launch, rep_ms=30)
-                    row["over_floor"] = row["graph_us"] / floor_us
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {e}"[:300]
-                log(f"  sweep {seq},{cached},{batch} {cos_sin} {tile}: {fmt(row.get('graph_us'))} us "
-                    f"({fmt(row.get('over_floor'))}x floor) ulp {row.get('max_ulp')} {row.get('error', '')}")
-                rows.append(row)
-        del x, q_out, k_out, cos, sin, q_ref, q_normed
-        empty_cache()
-    return rows
-
-
-# ------------------------------------------------------------------------------------------
-# Reports
-# ------------------------------------------------------------------------------------------
-
-TIME_KEYS = ["floor_us", "eager_us", "stock_compile_us", "stock_compile_graph_us", "fusion_pass_us",
-             "fusion_pass_graph_us", "op_us", "op_graph_us", "positions_op_us"]
-
-
-def suite_means(cases: list[dict]) -> dict:
-    means = {}
-    for key in TIME_KEYS:
-        values = [c.get(key) for c in cases]
-        if values and all(v is not None for v in values):
-            means[key] = sum(values) / len(values)
-    return means
-
-
-def fmt(v, digits=2) -> str:
-    return "—" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
-
-
-def markdown(result: dict) -> str:
-    lines = [
-        f"# Suite F forward on {result['gpu']} ({result['date']})",
-        "",
-        f"torch {result['torch']}, triton {result['triton']}; device copy {result['copy_TBps']:.2f} TB/s; "
-        "times in µs (median; `graph` = CUDA-graph replay); stock torch.compile columns from "
-        f"{result.get('stock_compile_source', 'this run')}.",
-        "",
-        "| S | C | B | floor | eager | stock | stock graph | fusion_pass | fusion_pass graph | op | op graph "
-        "| positions op | op graph / floor | max ulp | fused |",
-        "|" + "---|" * 15,
-    ]
-    for c in result["cases"]:
-        ratio = c["op_graph_us"] / c["floor_us"] if c.get("op_graph_us") else None
-        lines.append("| " + " | ".join([
-            str(c["S"]), str(c["C"]), str(c["B"]), *(fmt(c.get(k)) for k in TIME_KEYS),
-            fmt(ratio, 2), fmt(c.get("max_ulp"), 0), fmt(c.get("fused")),
-        ]) + " |")
-    m = result["suite_means"]
-    lines.append("| **mean** | | | " + " | ".join(fmt(m.get(k)) for k in TIME_KEYS) + " | | | |")
-    if result.get("sweep"):
-        lines += ["", "Launcher sweep (CUDA-graph replay, the graph entry, q/k/v as Hugging Face's transposed views):",
-                  "", "| S | C | B | cos/sin | tokens | heads | warps | blocks per program | group major "
-                  "| µs | / floor | max ulp | default rule |", "|" + "---|" * 13]
-        for row in result["sweep"]:
-            lines.append(f"| {row['S']} | {row['C']} | {row['B']} | {row['cos_sin']} | {row.get('tokens_per_program')} "
-                         f"| {row.get('heads_per_program')} | {row.get('num_warps')} | {row.get('blocks_per_program')} "
-                         f"| {row.get('group_major', '')} "
-                         f"| {fmt(row.get('graph_us'))} | {fmt(row.get('over_floor'), 2)} | {fmt(row.get('max_ulp'), 1)} | "
-                         f"{'yes' if row.get('default') else ''} |")
-    errors = [(c["S"], c["C"], c["B"], c["errors"]) for c in result["cases"] if c.get("errors")]
-    if errors:
-        lines += ["", "Failures:", ""] + [f"- ({s}, {cc}, {b}): {e}" for s, cc, b, e in errors]
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot")
-        return
-    cases = result["cases"]
-    series = [("stock_compile_graph_us", "stock compile (graph)"), ("fusion_pass_graph_us", "fusion_pass (graph)"),
-              ("op_graph_us", "op alone (graph)")]
-    fig, ax = plt.subplots(figsize=(13, 5))
-    width = 0.8 / len(series)
-    for i, (key, label) in enumerate(series):
-        values = [c[key] / c["floor_us"] if c.get(key) else math.nan for c in cases]
-        ax.bar([j + (i - 1) * width for j in range(len(cases))], values, width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.axhline(1.1, color="gray", linewidth=0.8, linestyle="--", label="1.1x floor")
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([f"S{c['S']}\nC{c['C']}\nB{c['B']}" for c in cases], fontsize=8)
-    ax.set_ylabel("time / byte floor")
-    ax.set_title(f"Suite F on {result['gpu']}: time over the bytes floor (copy {result['copy_TBps']:.2f} TB/s)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    log(f"wrote {path}")
-
 
 # ------------------------------------------------------------------------------------------
 # Without a GPU

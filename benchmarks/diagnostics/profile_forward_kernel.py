@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the suites
-from bench_forward import DTYPE, EPS, HEAD_DIM, KV_HEADS, Q_HEADS, ROPE_THETA, QKNormRopeCache, case_bytes, make_inputs  # noqa: E402
+from forward_workload import DTYPE, EPS, HEAD_DIM, ROPE_THETA, QKNormRopeCache, case_bytes, make_inputs  # noqa: E402
 from fusion_pass.kernels import qk_norm_rope_cache_triton as kernel
 from fusion_pass.kernels import qk_norm_rope_cache_reference as cache_reference
 
