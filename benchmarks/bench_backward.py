@@ -37,7 +37,6 @@ timed, the float64 reference) is ``backward_workload.py``; the tables ``backward
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -55,7 +54,7 @@ from backward_report import write_markdown, write_plot  # noqa: E402
 from backward_workload import (  # noqa: E402
     SUITE, Geometry, bytes_moved, eager_backward, elementwise_call, make_inputs, ours, ours_kernels, reference64,
     rel_err, workload_args)
-from bench_common import attempt, bench, bench_graph, host_us, log, result_stem  # noqa: E402
+from bench_common import attempt, bench, bench_graph, host_us, log, result_header, result_stem  # noqa: E402
 from fusion_pass.kernels import projection_backward as pb  # noqa: E402
 from fusion_pass.kernels import qkv_rope_qk_norm_backward_triton as kb  # noqa: E402
 
@@ -229,8 +228,7 @@ def run_gpu(args) -> int:
         return sum(vals) / len(vals) if vals and None not in vals else None
 
     means = {k: mean(k) for k in MEAN_KEYS + ("sol_score", "sol_score_graph")}
-    summary = dict(suite="B", gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                   date=datetime.date.today().isoformat(), mm_TFLOPs=mm_tflops, copy_TBps=copy_tbps,
+    summary = dict(**result_header("B"), mm_TFLOPs=mm_tflops, copy_TBps=copy_tbps,
                    cases_selected=args.cases, means=means, first_case_again_us=first_case_again_us,
                    stock_compile_source=(f"{os.path.basename(args.stock_from)} (an earlier run, same GPU and "
                                          "versions)" if args.stock_from else "this run"),

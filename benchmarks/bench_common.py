@@ -4,8 +4,9 @@ Timing, one variant at a time: ``bench`` (``triton.testing.do_bench``, median, L
 runs), ``bench_graph`` (``do_bench_cudagraph``), ``host_us`` (host time per call). Side by side:
 ``interleaved_samples`` / ``paired_ratio`` / ``interleaved_timing`` (variants taking turns in
 rounds; the ratio of two variants over paired rounds, which the lent host's slow spells move much
-less than either time). Floors: ``copy_bandwidth_tbps``. Results: ``result_stem`` names a suite's
-files by date and GPU.
+less than either time). Floors: ``copy_bandwidth_tbps``. Results: ``result_header`` opens every
+suite's JSON the same way (suite, date, machine, versions, tree), ``result_stem`` names its files by
+date and GPU.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+import platform
 import re
+import subprocess
 import statistics
 import time
 
@@ -143,3 +146,34 @@ def result_stem(out_dir: str, suite: str) -> str:
     """``out_dir/<date>-<gpu>-<suite>``: where a suite writes its .json/.md/.png."""
     return os.path.join(str(out_dir), f"{datetime.date.today().isoformat()}-{gpu_slug()}-{suite}")
 
+
+
+def tree_revision() -> str | None:
+    """The commit this tree is at (``TREE`` in the environment first: the lent machine's copy has no git)."""
+    if os.environ.get("TREE"):
+        return os.environ["TREE"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def result_header(suite: str) -> dict:
+    """The first keys of every suite's result JSON: suite, date, tree, the machine and the versions
+    (gpu is None without CUDA; transformers None where it is not installed). Per case figures go
+    under ``cases``, their means under ``means``."""
+    try:
+        import transformers
+
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    info = dict(suite=suite, date=datetime.date.today().isoformat(), tree=tree_revision(), gpu=None,
+                torch=torch.__version__, triton=triton.__version__, transformers=transformers_version,
+                cuda=torch.version.cuda, python=platform.python_version(), cpu_count=os.cpu_count())
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=torch.cuda.get_device_name(), gpu_capability=".".join(map(str, torch.cuda.get_device_capability())),
+                    gpu_memory_GiB=round(props.total_memory / 2**30, 1), gpu_count=torch.cuda.device_count())
+    return info

@@ -28,17 +28,15 @@ Writes DIR/<date>-<gpu>-compiled.{json,md}. Without CUDA: says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import time
 
 import torch
-import triton
-import triton.testing
 
 import fusion_pass
-from bench_common import attempt, bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_timing, log, result_stem
+from bench_common import (
+    attempt, bench, bench_graph, copy_bandwidth_tbps, host_us, interleaved_timing, log, result_header, result_stem)
 from compiled_modules import (
     B_D, B_HIDDEN, B_HKV, B_HQ, DTYPE, F_D, F_HKV, F_HQ, F_L, F_THETA, FusedQKVBlock, Qwen3Prologue, RotaryEmbedding)
 
@@ -200,7 +198,7 @@ def markdown(result: dict) -> str:
                   "pass / stock, paired rounds: median [quartiles] | stock graph | pass graph | pass graph / stock graph | pass graph / floor "
                   "| host stock | host pass | fused |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows + [dict(result[f"{suite}_means"], case="mean")]:
+        for r in rows + [dict(result["means"][suite], case="mean")]:
             name = r.get("case") or (f"S{r['S']} C{r['C']} B{r['B']}" if suite == "F" else f"S{r['S']} B{r['B']}")
             ratio = (r["fusion_pass_us"] / r["stock_us"]) if r.get("fusion_pass_us") and r.get("stock_us") else None
             gratio = (r["fusion_pass_graph_us"] / r["stock_graph_us"]
@@ -280,8 +278,7 @@ def main() -> int:
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
     os.makedirs(args.out, exist_ok=True)
-    date = datetime.date.today().isoformat()
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, date=date)
+    result = dict(**result_header("compiled"), means={})
     path = result_stem(args.out, "compiled")
     suites = {s.strip() for s in args.suites.split(",")}
     keys = [f"{v}{s}" for v in ("eager", "stock", "fusion_pass") for s in ("_us", "_graph_us", "_host_us")]
@@ -300,7 +297,7 @@ def main() -> int:
             t0 = time.perf_counter()
             r = f_case(*case, copy_tbps, args.out if case == (128, 0, 1) else None)
             result["F"].append(r)
-            result["F_means"] = means(result["F"], ["floor_us", *keys])
+            result["means"]["F"] = means(result["F"], ["floor_us", *keys])
             save()
             log(f"F {case}: floor {r['floor_us']:.1f} stock {fmt(r.get('stock_us'))} pass {fmt(r.get('fusion_pass_us'))}"
                 f" | graph stock {fmt(r.get('stock_graph_us'))} pass {fmt(r.get('fusion_pass_graph_us'))} | host "
@@ -313,7 +310,7 @@ def main() -> int:
             t0 = time.perf_counter()
             r = b_case(*case)
             result["B"].append(r)
-            result["B_means"] = means(result["B"], ["gemms_us", "gemms_graph_us", *keys])
+            result["means"]["B"] = means(result["B"], ["gemms_us", "gemms_graph_us", *keys])
             save()
             log(f"B {case}: gemms {fmt(r.get('gemms_us'))} stock {fmt(r.get('stock_us'))} pass "
                 f"{fmt(r.get('fusion_pass_us'))} | graph stock {fmt(r.get('stock_graph_us'))} pass "

@@ -87,7 +87,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
-import datetime
 import json
 import os
 import shutil
@@ -110,13 +109,13 @@ else:
 import transformers  # noqa: E402
 import triton  # noqa: E402
 
-from bench_common import error_text, log, result_stem  # noqa: E402
+from bench_common import error_text, log, result_header, result_stem  # noqa: E402
 from end_to_end_cases import CACHE_HEADROOM, DEVICE, run_inference_case, run_train_case  # noqa: E402
 from end_to_end_cpu_checks import run_cpu  # noqa: E402
 from end_to_end_models import (  # noqa: E402
     DTYPE, Geometry, build_model, gemma4_config, glm4moe_config, qwen3_config, use_glm_interleaved_rope)
 from end_to_end_regions import SHARE_METHOD  # noqa: E402
-from end_to_end_report import fmt, machine_info, markdown, plot  # noqa: E402
+from end_to_end_report import fmt, markdown, plot  # noqa: E402
 
 
 # name -> (kind, batch, seq); decode cases decode one token after a prefill of `seq` tokens, replayed
@@ -150,7 +149,6 @@ def run_cuda(args, g: Geometry) -> int:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
-    date = datetime.date.today().isoformat()
     selected = [c.strip() for c in args.cases.split(",")] if args.cases else list(CASES)
     unknown = [c for c in selected if c not in CASES]
     if unknown:
@@ -159,7 +157,7 @@ def run_cuda(args, g: Geometry) -> int:
     rep_ms = 40 if args.quick else 100
     steps, warmup = (5, 2) if args.quick else (10, 3)
     result = dict(
-        suite="end-to-end", date=date, **machine_info(), geometry=dataclasses.asdict(g), quick=args.quick,
+        **result_header("end-to-end"), geometry=dataclasses.asdict(g), quick=args.quick,
         do_bench_rep_ms=rep_ms, inductor_caches="force_disable_caches=True; fresh TRITON_CACHE_DIR / "
         "TORCHINDUCTOR_CACHE_DIR per run unless set", share_method=SHARE_METHOD,
         cases_not_selected=[c for c in CASES if c not in selected], cases=[],

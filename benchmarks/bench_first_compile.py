@@ -15,7 +15,6 @@ Writes DIR/<date>-first-compile.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -74,12 +73,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
-    import torch
-    import triton
+    from bench_common import result_header  # imports torch: only the timed children need not
 
     os.makedirs(args.out, exist_ok=True)
-    result = dict(torch=torch.__version__, triton=triton.__version__, device=args.device,
-                  date=datetime.date.today().isoformat(), rounds=args.rounds, cases={})
+    result = dict(**result_header("first-compile"), device=args.device, rounds=args.rounds, cases={})
     for case in ("prefill", "train"):
         run(case, "pass", args.device)  # warms Inductor's kernel cache and the pattern cache
         samples = {"stock": [], "pass": []}

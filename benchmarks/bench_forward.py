@@ -29,7 +29,6 @@ lives in ``forward_workload.py``, the tile sweep in ``forward_sweep.py``, the ta
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -43,7 +42,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 import fusion_pass  # noqa: E402
-from bench_common import attempt, bench, bench_graph, copy_bandwidth_tbps, log, result_stem, synchronize  # noqa: E402
+from bench_common import (  # noqa: E402
+    attempt, bench, bench_graph, copy_bandwidth_tbps, log, result_header, result_stem,  # noqa: E402
+    synchronize)
 from forward_report import TIME_KEYS, markdown, plot, suite_means  # noqa: E402
 from forward_sweep import sweep  # noqa: E402
 from forward_workload import (  # noqa: E402
@@ -202,7 +203,6 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     torch._inductor.config.force_disable_caches = True  # the pass must run (and count) on every compile
     start = time.perf_counter()
-    date = datetime.date.today().isoformat()
     copy_tbps = copy_bandwidth_tbps()
     log(f"{torch.cuda.get_device_name()}: copy {copy_tbps:.3f} TB/s; torch {torch.__version__}, triton {triton.__version__}")
     stock_from = None
@@ -237,8 +237,7 @@ def main() -> None:
         log("    " + ", ".join(f"{k}={r[k]:.2f}" for k in TIME_KEYS + ["max_ulp"] if isinstance(r.get(k), float))
             + f", fused={r.get('fused')} ({time.perf_counter() - t0:.0f} s)")
     result = dict(
-        suite="F", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        date=date, copy_TBps=copy_tbps, cases=cases, suite_means=suite_means(cases),
+        **result_header("F"), copy_TBps=copy_tbps, cases=cases, means=suite_means(cases),
         stock_compile_source=(f"{os.path.basename(args.stock_from)} (an earlier run, same GPU and versions)"
                               if args.stock_from else "this run"),
     )
@@ -252,7 +251,7 @@ def main() -> None:
     log(f"wrote {base}.json, {base}.md")
     if cases:
         plot(result, base + ".png")
-    log("suite means (µs): " + ", ".join(f"{k}={v:.1f}" for k, v in result["suite_means"].items()))
+    log("suite means (µs): " + ", ".join(f"{k}={v:.1f}" for k, v in result["means"].items()))
     log(f"total {time.perf_counter() - start:.0f} s")
 
 

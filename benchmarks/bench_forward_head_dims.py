@@ -15,15 +15,13 @@ cache rows. Writes DIR/forward-head-dims.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 
 import torch
-import triton
 
 import fusion_pass  # noqa: F401  (registers torch.ops.fusion_pass.*)
-from bench_common import bench_graph, copy_bandwidth_tbps
+from bench_common import bench_graph, copy_bandwidth_tbps, result_header
 from fusion_pass.kernels.qk_norm_rope_cache_reference import qk_norm_rope_cache_reference
 
 GEOMETRIES = {"qwen3_8b_d128": (32, 8, 128), "gemma4_sliding_d256": (32, 16, 256), "gemma4_full_d512": (32, 4, 512)}
@@ -64,9 +62,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     out_dir = parser.parse_args().out
+    if not torch.cuda.is_available():
+        print("bench_forward_head_dims.py times on a CUDA GPU; none here, nothing to do.")
+        return
     tbps = copy_bandwidth_tbps()
-    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, seq=SEQ, copy_tbps=tbps, cases={})
+    result = dict(**result_header("forward-head-dims"), seq=SEQ, copy_TBps=tbps, cases={})
     for name, (q_heads, kv_heads, head_dim) in GEOMETRIES.items():
         args = inputs(q_heads, kv_heads, head_dim)
         check(args)

@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import statistics
 import time
 
 import torch
-import transformers
-import triton
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import fusion_pass
+from bench_common import result_header
 from training_step import make_train_step
 
 FAMILY = "qk_norm_rope_backward"
@@ -119,10 +117,12 @@ def main() -> None:
     p.add_argument("--autocast", action="store_true")
     p.add_argument("--train", choices=("lora", "full"), default="lora")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_training.py times on a CUDA GPU; none here, nothing to do.")
+        return
     base = build(args.layers, args.model, torch.float32 if args.autocast else torch.bfloat16, args.train == "lora")
     ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    result = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, transformers=transformers.__version__, layers=args.layers,
+    result = dict(**result_header("training"), layers=args.layers,
                   batch=args.batch, seq=args.seq, model=args.model, autocast=args.autocast, train=args.train,
                   variants={})
     reference_grads = None

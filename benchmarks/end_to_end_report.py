@@ -1,14 +1,8 @@
-"""The report of ``bench_end_to_end.py``: its markdown table, its plot and the machine it ran on."""
+"""The report of ``bench_end_to_end.py``: its markdown table and its plot."""
 
 from __future__ import annotations
 
 import math
-import os
-import platform
-
-import torch
-import transformers
-import triton
 
 from bench_common import log
 from end_to_end_models import VARIANTS
@@ -133,14 +127,3 @@ def plot(result: dict, path: str) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
-
-
-def machine_info() -> dict:
-    info = dict(python=platform.python_version(), platform=platform.platform(), cpu=platform.processor() or None,
-                cpu_count=os.cpu_count(), torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, cuda=torch.version.cuda)
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu=torch.cuda.get_device_name(), gpu_capability=".".join(map(str, torch.cuda.get_device_capability())),
-                    gpu_memory_GiB=props.total_memory / 2**30, gpu_count=torch.cuda.device_count())
-    return info

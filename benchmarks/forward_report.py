@@ -41,7 +41,7 @@ def markdown(result: dict) -> str:
             str(c["S"]), str(c["C"]), str(c["B"]), *(fmt(c.get(k)) for k in TIME_KEYS),
             fmt(ratio, 2), fmt(c.get("max_ulp"), 0), fmt(c.get("fused")),
         ]) + " |")
-    m = result["suite_means"]
+    m = result["means"]
     lines.append("| **mean** | | | " + " | ".join(fmt(m.get(k)) for k in TIME_KEYS) + " | | | |")
     if result.get("sweep"):
         lines += ["", "Launcher sweep (CUDA-graph replay, the graph entry, q/k/v as Hugging Face's transposed views):",
