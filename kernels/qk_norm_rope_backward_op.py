@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .argument_errors import failure
 from .qkv_rope_qk_norm_backward_triton import NORM_STYLES, qk_norm_rope_backward_in_graph
 from .qkv_rope_qk_norm_op import elementwise_backward_implementation
 
@@ -41,9 +42,7 @@ _LIB.define(
 
 def _check(grad: Tensor, x: Tensor, rstd: Tensor, cos: Tensor, sin: Tensor, weight: Tensor, rope_first: bool,
            norm_style: int) -> None:
-    def fail(name: str, expected: str, got: object) -> None:
-        raise ValueError(f"fusion_pass.qk_norm_rope_backward: {name}: expected {expected}, got {got}")
-
+    fail = failure("qk_norm_rope_backward")
     if x.dim() != 4:
         fail("x", "[B, S, H, D]", tuple(x.shape))
     batch, seq, heads, head_dim = x.shape

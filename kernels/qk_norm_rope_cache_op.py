@@ -38,19 +38,9 @@ from __future__ import annotations
 
 import torch
 
+from .argument_errors import ArgumentError, check_q_k_heads, failure
 from .qk_norm_rope_cache_reference import NORM_STYLES, qk_norm_rope_cache_reference
-from .rounding import SUPPORTED_DTYPES
 from .triton_device import triton_applicable
-
-
-class ArgumentError(ValueError):
-    """An argument that breaks one of the ops' contracts. ``str()`` names the op; ``reason`` is the
-    rest, which names the argument and what was expected (a refused match reports it as its
-    near-miss)."""
-
-    def __init__(self, op: str, reason: str) -> None:
-        super().__init__(f"fusion_pass.{op}: {reason}")
-        self.op, self.reason = op, reason
 
 
 def output_dtype(q: torch.Tensor, q_weight: torch.Tensor | None, cos: torch.Tensor, norm: str = "weight") -> torch.dtype:
@@ -88,21 +78,10 @@ def check_qk_norm_rope_cache_args(
     ``interleaved`` (GPT-J pairs) takes the same shapes, one table entry per feature.
     """
 
-    def fail(name: str, expected: str, got: object) -> None:
-        raise ArgumentError("qk_norm_rope_cache", f"{name}: expected {expected}, got {got}")
-
+    fail = failure("qk_norm_rope_cache")
     if q.dim() != 4:
         fail("q", "a 4-D tensor [B, Hq, S, D]", f"shape {tuple(q.shape)}")
-    batch, q_heads, seq, head_dim = q.shape
-    if q.dtype not in SUPPORTED_DTYPES:
-        fail("q", f"dtype in {SUPPORTED_DTYPES}", q.dtype)
-    if head_dim % 2:
-        fail("q", "an even head_dim (RoPE rotates halves)", head_dim)
-    if k.dim() != 4 or k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != head_dim:
-        fail("k", f"shape [B={batch}, Hkv, S={seq}, D={head_dim}]", f"shape {tuple(k.shape)}")
-    kv_heads = k.shape[1]
-    if kv_heads == 0 or q_heads % kv_heads:
-        fail("k", f"a head count dividing q's {q_heads} heads (GQA)", kv_heads)
+    batch, seq, q_heads, kv_heads, head_dim = check_q_k_heads(fail, q, k, heads_first=True)
     if tuple(v.shape) != tuple(k.shape):
         fail("v", f"k's shape {tuple(k.shape)}", f"shape {tuple(v.shape)}")
     for name, t in (("k", k), ("v", v)):

@@ -56,11 +56,8 @@ from .projection_backward import projection_gemms
 from .qkv_rope_qk_norm_backward_triton import qk_norm_rope_backward_in_graph, qk_norm_rope_backward_triton
 from .triton_device import kernels_in_graph, triton_applicable
 from .qkv_rope_qk_norm_reference import qk_norm_rope_backward_reference, qkv_rope_qk_norm_forward_reference
+from .argument_errors import check_q_k_heads, failure
 from .rounding import SUPPORTED_DTYPES
-
-
-def _fail(op: str, name: str, expected: str, got: object) -> None:
-    raise ValueError(f"fusion_pass.{op}: {name}: expected {expected}, got {got}")
 
 
 def check_qkv_rope_qk_norm_args(
@@ -76,8 +73,7 @@ def check_qkv_rope_qk_norm_args(
 ) -> None:
     """Raise ``ValueError`` naming the first argument of the forward op that breaks its contract."""
 
-    def fail(name: str, expected: str, got: object) -> None:
-        _fail("qkv_rope_qk_norm", name, expected, got)
+    fail = failure("qkv_rope_qk_norm")
 
     if hidden.dim() != 3:
         fail("hidden", "a 3-D tensor [B, S, K]", f"shape {tuple(hidden.shape)}")
@@ -247,24 +243,13 @@ def check_qkv_rope_qk_norm_backward_args(
 ) -> None:
     """Raise ``ValueError`` naming the first argument of the backward op that breaks its contract."""
 
-    def fail(name: str, expected: str, got: object) -> None:
-        _fail("qkv_rope_qk_norm_backward", name, expected, got)
-
+    fail = failure("qkv_rope_qk_norm_backward")
     # Runs on every backward (the GPU waits for it at small B*S): torch.Size compared with tuples
     # as is, argument names formatted only to fail.
     if q.dim() != 4:
         fail("q", "a 4-D tensor [B, S, Hq, D] (pre-RoPE projection view)", f"shape {tuple(q.shape)}")
-    batch, seq, q_heads, head_dim = q.shape
+    batch, seq, q_heads, kv_heads, head_dim = check_q_k_heads(fail, q, k, heads_first=False)
     dtype = q.dtype
-    if dtype not in SUPPORTED_DTYPES:
-        fail("q", f"dtype in {SUPPORTED_DTYPES}", dtype)
-    if head_dim % 2:
-        fail("q", "an even head_dim (RoPE rotates halves)", head_dim)
-    if k.dim() != 4 or k.shape[0] != batch or k.shape[1] != seq or k.shape[3] != head_dim:
-        fail("k", f"shape [B={batch}, S={seq}, Hkv, D={head_dim}]", f"shape {tuple(k.shape)}")
-    kv_heads = k.shape[2]
-    if kv_heads == 0 or q_heads % kv_heads:
-        fail("k", f"a head count dividing q's {q_heads} heads (GQA)", kv_heads)
     for name, t, shape in (
         ("grad_q", grad_q, (batch, q_heads, seq, head_dim)),
         ("grad_k", grad_k, (batch, kv_heads, seq, head_dim)),

@@ -61,8 +61,8 @@ from fusion_pass import config as fusion_config
 from fusion_pass import match_report
 from fusion_pass.families import Family
 from fusion_pass.rewrites import Rewrite
+from fusion_pass.kernels.argument_errors import ArgumentError
 from fusion_pass.kernels.qk_norm_rope_cache_op import (
-    ArgumentError,
     check_qk_norm_rope_cache_args,
     check_qk_norm_rope_paged_cache_args,
     output_dtype,
