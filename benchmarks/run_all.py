@@ -16,8 +16,8 @@ poison the next), with their per-case progress lines passed through:
 
 Each writes its JSON / markdown / PNG into DIR; this script then writes DIR/<date>-summary.md, the
 suites' markdown tables one after the other, with the exit status of each suite. Without CUDA every
-script says that timings need a GPU and runs its CPU numerics checks instead; the exit status is
-non-zero if any of them failed.
+script says that timings need a GPU (bench_end_to_end.py runs its CPU numerics checks instead); the
+exit status is non-zero if any of them failed.
 """
 
 from __future__ import annotations
