@@ -1,4 +1,11 @@
-"""Compile with the fusion passes and capture the post-grad graph before and after them."""
+"""Compile with the fusion passes and capture the post-grad graph before and after them.
+
+The matching tests compile through ``graph_only_backend`` (every pass Inductor runs, ours included,
+then the graph run eagerly): they check what the pass did to the graph and the numbers it gives, and
+Inductor's C++ code generation would add ~10 s a graph on CI's machines without checking more of
+the pass. Tests of what Inductor makes of the fused op (its wrapper code, in-place cache writes, the
+lowering) pass ``inductor=True``.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +13,18 @@ import torch
 
 import fusion_pass
 from fusion_pass.graph_text import CapturingPass
+from graph_backend import graph_only_backend
 
 
-def compile_forward(model, devices=("cpu",), families=("qk_norm_rope_cache",), **compile_kwargs):
-    """``torch.compile(model)`` with the forward fusion, returning (compiled, capture)."""
+def compile_forward(model, devices=("cpu",), families=("qk_norm_rope_cache",), inductor=False, **compile_kwargs):
+    """``torch.compile(model)`` with the forward fusion, returning (compiled, capture): through
+    ``graph_only_backend``, or through Inductor itself when ``inductor``."""
     options = fusion_pass.options(devices=devices, families=families)
     capture = CapturingPass(options["post_grad_custom_pre_pass"])
     options["post_grad_custom_pre_pass"] = capture
-    return torch.compile(model, options=options, **compile_kwargs), capture
+    if inductor:
+        return torch.compile(model, options=options, **compile_kwargs), capture
+    return torch.compile(model, backend=graph_only_backend(options), **compile_kwargs), capture
 
 
 def fused_count() -> int:

@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor import config as inductor_config
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.fx_passes.joint_graph import joint_graph_passes
 from torch._inductor.fx_passes.post_grad import post_grad_passes, view_to_reshape
@@ -26,17 +27,23 @@ def _fake_mode(inputs) -> FakeTensorMode:
     return torch._guards.detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def graph_only_backend():
-    """The backend (a fresh one per call: AOT autograd keeps per-backend state)."""
+def graph_only_backend(options: dict | None = None):
+    """The backend (a fresh one per call: AOT autograd keeps per-backend state).
+
+    Args:
+        options: Inductor config values held while the passes run, as ``torch.compile(model,
+            options=...)`` holds them for Inductor (e.g. ``fusion_pass.options()``'s hooks).
+    """
+    options = dict(options or {})
 
     def partition(gm, joint_inputs, **kwargs):
-        with V.set_fake_mode(_fake_mode(joint_inputs)):
+        with inductor_config.patch(options), V.set_fake_mode(_fake_mode(joint_inputs)):
             joint_graph_passes(gm)
         return min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
 
     def compiler(is_inference: bool):
         def compile_graph(gm: torch.fx.GraphModule, example_inputs):
-            with V.set_fake_mode(_fake_mode(example_inputs)):
+            with inductor_config.patch(options), V.set_fake_mode(_fake_mode(example_inputs)):
                 if is_inference:  # compile_fx runs the joint-graph passes on inference graphs too
                     joint_graph_passes(gm)
                 view_to_reshape(gm)

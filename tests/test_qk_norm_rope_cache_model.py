@@ -27,7 +27,7 @@ def test_generated_code_writes_the_caches_in_place():
     model = Qwen3StylePrologue().to(torch.bfloat16)
     inputs = make_inputs(cache_len=cache_len)
     cache_shape = tuple(inputs[3].shape)
-    compiled, _ = compile_forward(model)
+    compiled, _ = compile_forward(model, inductor=True)
     with torch.no_grad():
         _, codes = run_and_get_code(compiled, *inputs)
     code = "\n".join(codes)
@@ -83,7 +83,7 @@ def test_hf_static_cache_prefill_then_decode(family):
 
     torch._dynamo.reset()
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    compiled, _ = compile_forward(model)
+    compiled, _ = compile_forward(model, inductor=True)
     logits, cache = _prefill_and_decode(compiled, config, input_ids, cache_len, steps)
     fused_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
 
@@ -135,7 +135,7 @@ def test_hf_gemma4_prefill_then_decode():
     input_ids = torch.randint(0, config.vocab_size, (batch, seq))
     ref_logits, ref_cache = _prefill_and_decode(model, config, input_ids, cache_len, steps)
     torch._dynamo.reset()
-    compiled, _ = compile_forward(model)
+    compiled, _ = compile_forward(model, inductor=True)
     logits, cache = _prefill_and_decode(compiled, config, input_ids, cache_len, steps)
     assert fused_count() == 2 * prologue_layers
     errors = [(out.float() - ref.float()).abs().max().item() for out, ref in zip(logits, ref_logits)]

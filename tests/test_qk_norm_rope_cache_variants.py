@@ -103,7 +103,7 @@ def test_paged_generated_code_writes_the_user_caches_in_place():
     inputs = make_paged_inputs(layout="hf_batch1", num_blocks=num_blocks, block_size=block_size)
     cache_shape = tuple(inputs[3].shape)
     (q_ref, _), ref_inputs = eager(model, inputs)
-    compiled, _ = compile_forward(model)
+    compiled, _ = compile_forward(model, inductor=True)
     with torch.no_grad():
         (q_out, _), codes = run_and_get_code(compiled, *inputs)
     code = "\n".join(codes)
