@@ -1,10 +1,9 @@
 """Compile with the fusion passes and capture the post-grad graph before and after them.
 
-The matching tests compile through ``graph_only_backend`` (every pass Inductor runs, ours included,
-then the graph run eagerly): they check what the pass did to the graph and the numbers it gives, and
-Inductor's C++ code generation would add ~10 s a graph on CI's machines without checking more of
-the pass. Tests of what Inductor makes of the fused op (its wrapper code, in-place cache writes, the
-lowering) pass ``inductor=True``.
+The matching tests compile through ``graph_only_backend`` (its docstring says what it runs and
+what it saves): they check what the pass did to the graph and the numbers it gives. Tests of what
+Inductor makes of the fused op (its wrapper code, in-place cache writes, output strides, whole
+models) pass ``inductor=True``.
 """
 
 from __future__ import annotations
